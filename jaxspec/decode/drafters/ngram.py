@@ -1,0 +1,44 @@
+"""Prompt lookup on the device: the next drafts are what followed the latest earlier occurrence of the
+sequence's last n tokens (n from prompt_lookup_max down to prompt_lookup_min) in the token history.
+
+It reads only the device history, so it works under async scheduling, where the host does not yet know
+the tokens the previous step accepted.
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+
+class NgramDrafter:
+    draft_sampling = "argmax"
+    aux_layers = ()
+
+    def __init__(self, num_spec_tokens: int, min_n: int, max_n: int):
+        self.num_spec_tokens, self.min_n, self.max_n = num_spec_tokens, min_n, max_n
+
+    def init_state(self, step_config, dtype):
+        return None
+
+    def propose(self, params, state, ctx):
+        hist = ctx.history[ctx.slot]                                   # [R, H]
+        num_tokens = ctx.num_tokens                                    # [R]
+        R, H = hist.shape
+        k = self.num_spec_tokens
+        start = jnp.arange(H)[None, :]                                 # candidate match starts i
+        drafts = jnp.full((R, k), -1, jnp.int32)
+        found = jnp.zeros((R,), bool)
+        for n in range(self.max_n, self.min_n - 1, -1):                # longest suffix first
+            suffix = jnp.take_along_axis(hist, jnp.clip(num_tokens[:, None] - n + jnp.arange(n), 0, H - 1), 1)
+            # hist[i:i+n] == suffix, for an occurrence that ends before the suffix itself starts over
+            match = (start < num_tokens[:, None] - n) & (num_tokens[:, None] > n)
+            for m in range(n):
+                shifted = jnp.concatenate([hist[:, m:], jnp.full((R, m), -1, hist.dtype)], axis=1)
+                match &= shifted == suffix[:, m:m + 1]
+            latest = jnp.max(jnp.where(match, start, -1), axis=1)       # [R]
+            cont = latest[:, None] + n + jnp.arange(k)                  # positions of the proposed tokens
+            proposal = jnp.where(cont < num_tokens[:, None],
+                                 jnp.take_along_axis(hist, jnp.clip(cont, 0, H - 1), 1), -1)
+            hit = (latest >= 0) & ~found
+            drafts = jnp.where(hit[:, None], proposal, drafts)
+            found |= hit
+        return state, drafts

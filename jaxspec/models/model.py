@@ -1,0 +1,23 @@
+"""`Model`: a config, a params pytree and a tokenizer, as every loader returns it."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from jaxspec.models.config import ModelConfig
+
+
+@dataclasses.dataclass
+class Model:
+    config: ModelConfig
+    params: dict  # pytree of jax arrays, layout in jaxspec/models/config.py
+    tokenizer: Any = None  # jaxspec.models.tokenizer.Tokenizer, or None for a weights-only model
+    name: str = ""
+    dtype: str = "float32"
+
+    def score(self, token_ids) -> np.ndarray:
+        """Logits [T, vocab] of a dense causal forward over `token_ids` (no KV cache)."""
+        from jaxspec.models.llama import score
+        return np.asarray(score(self.config, self.params, np.asarray(token_ids, np.int32)))

@@ -1,0 +1,296 @@
+"""The engine loop: schedule step N+1, dispatch it, then read step N (dispatched one iteration ago).
+
+    schedule(N+1) -> build host inputs -> dispatch step(N+1) -> start copy of out(N+1) to host
+                 -> read out(N) -> update requests, stop checks, free
+
+Sync mode is the same loop reading out(N+1) at once; both run the same jitted step.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm.auto import tqdm
+
+from jaxspec.decode.state import (
+    MAX_STOP_IDS, ROW_FIRST_TOKEN, ROW_LOGPROBS, ROW_MIN_TOKENS, ROW_NUM_DRAFTS, ROW_NUM_NEW, ROW_PROMPT_LEN,
+    ROW_SAMPLE, ROW_SEED, ROW_SLOT, ROW_START, ROW_TOP_K, StepConfig, StepInputs, empty_inputs, init_state)
+from jaxspec.decode.step import make_step
+from jaxspec.sampling_params import SamplingParams
+from jaxspec.sched.block_manager import BlockManager
+from jaxspec.sched.output import append_tokens
+from jaxspec.sched.request import Request, Status
+from jaxspec.sched.scheduler import ScheduledRow, Scheduler
+
+MIN_TOKEN_BUCKET = 8
+
+
+@dataclasses.dataclass
+class EngineConfig:
+    max_num_seqs: int = 16
+    max_model_len: int | None = None          # default: min(model's max positions, 4096)
+    max_num_batched_tokens: int = 512
+    block_size: int = 16
+    num_kv_blocks: int | None = None          # default: from kv_memory_fraction on a GPU, else enough for all
+    kv_memory_fraction: float | None = None   # share of free device memory for the KV pool (GPU default 0.5)
+    async_scheduling: bool = True
+    warmup: bool = True
+    seed: int = 0
+
+    def validate(self):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} is invalid; it must be >= 1")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len={self.max_model_len} is invalid; it must be >= 2")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks={self.num_kv_blocks} is invalid; it must be >= 1")
+        if self.kv_memory_fraction is not None and not 0 < self.kv_memory_fraction < 1:
+            raise ValueError(f"kv_memory_fraction={self.kv_memory_fraction} is invalid; it must be in (0, 1)")
+
+
+@dataclasses.dataclass
+class _InFlight:
+    rows: list[ScheduledRow]
+    out: dict
+    want_logprobs: bool
+    dispatch_time: float
+
+
+class Engine:
+    def __init__(self, model, config: EngineConfig, drafter=None, drafter_params=None):
+        config.validate()
+        self.model, self.config, self.tokenizer = model, config, model.tokenizer
+        mc = model.config
+        max_model_len = config.max_model_len or min(mc.max_position_embeddings, 4096)
+        k = drafter.num_spec_tokens if drafter is not None else 0
+        max_blocks = -(-max_model_len // config.block_size)
+        dtype = model.params["embed"].dtype
+        num_blocks = config.num_kv_blocks or self._default_num_blocks(config, mc, max_blocks, dtype)
+        self.step_config = StepConfig(block_size=config.block_size, num_blocks=num_blocks,
+                                      num_slots=config.max_num_seqs, max_model_len=max_model_len,
+                                      num_spec_tokens=k)
+        self.blocks = BlockManager(num_blocks, config.block_size, config.max_num_seqs)
+        self.scheduler = Scheduler(self.blocks, max_num_seqs=config.max_num_seqs,
+                                   max_num_batched_tokens=config.max_num_batched_tokens,
+                                   max_model_len=max_model_len, num_spec_tokens=k)
+        self.drafter, self.drafter_params = drafter, drafter_params
+        drafter_state = drafter.init_state(self.step_config, dtype) if drafter is not None else None
+        self.state = init_state(mc, self.step_config, dtype, drafter_state)
+        self._step = make_step(mc, self.step_config, drafter)
+        cap = max(config.max_num_batched_tokens, MIN_TOKEN_BUCKET)
+        self.token_buckets = [b for b in (MIN_TOKEN_BUCKET << i for i in range(32)) if b < cap] + [cap]
+        self.requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        self._rng = np.random.default_rng(config.seed)
+        self._pending: _InFlight | None = None
+        self._compiled_at_warmup: int | None = None
+        self.counters = {"steps": 0, "busy_rows": 0, "padded_tokens": 0, "scheduled_tokens": 0}
+        self.spec_counters = {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0,
+                              "accepted_per_position": np.zeros(max(k, 1), np.int64)}
+        if config.warmup:
+            self.warmup()
+
+    @staticmethod
+    def _default_num_blocks(config, mc, max_blocks, dtype) -> int:
+        enough = config.max_num_seqs * max_blocks
+        device = jax.devices()[0]
+        stats = device.memory_stats() if device.platform == "gpu" else None
+        if not stats:
+            return enough
+        itemsize = jnp.dtype(dtype).itemsize
+        per_block = 2 * mc.num_layers * config.block_size * mc.num_kv_heads * mc.head_dim * itemsize
+        free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
+        return max(1, min(enough, int(free * (config.kv_memory_fraction or 0.5) // per_block)))
+
+    # ---- requests ----------------------------------------------------------------------------------
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,
+                    request_id: str | None = None) -> Request:
+        self.validate_request(prompt_token_ids, params)
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self.requests and not self.requests[request_id].finished:
+            raise ValueError(f"request_id {request_id!r} is already running")
+        seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**31 - 1))
+        eos = tuple(self.tokenizer.eos_token_ids) if self.tokenizer is not None else tuple(
+            self.model.config.eos_token_ids)
+        req = Request(request_id, list(prompt_token_ids), params, seed, eos, prompt=prompt)
+        stop_ids = ([] if params.ignore_eos else list(eos)) + params.stop_token_ids
+        req.stop_ids_for_min_tokens = stop_ids[:MAX_STOP_IDS]
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+        return req
+
+    def validate_request(self, prompt_token_ids, params: SamplingParams):
+        sc, v = self.step_config, self.model.config.vocab_size
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        params.validate()
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("the prompt is empty; give at least one token")
+        bad = [t for t in prompt_token_ids if not 0 <= int(t) < v]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {v})")
+        if n + max(1, params.min_tokens) > sc.max_model_len:
+            raise ValueError(f"the prompt has {n} tokens and min_tokens={params.min_tokens}: more than "
+                             f"max_model_len={sc.max_model_len} allows (prompt + max(1, min_tokens) <= max_model_len)")
+        if self.blocks.blocks_for(n + 1 + sc.num_spec_tokens) > self.blocks.num_blocks:
+            raise ValueError(f"the prompt has {n} tokens and can never fit the KV pool of "
+                             f"{self.blocks.num_blocks} blocks x {sc.block_size} tokens; raise num_kv_blocks")
+
+    def abort(self, request_id: str):
+        req = self.requests.get(request_id)
+        if req is not None and not req.finished:
+            self.scheduler.finish(req, "abort")
+            req.finish_time = time.perf_counter()
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work() or self._pending is not None
+
+    # ---- one iteration -----------------------------------------------------------------------------
+    def step(self) -> list[Request]:
+        """Plan and dispatch the next step, then read the previous one. Returns requests with news."""
+        rows = self.scheduler.schedule()
+        record = self._dispatch(rows) if rows else None
+        updated: list[Request] = []
+        if self._pending is not None:
+            updated += self._process(self._pending)
+            self._pending = None
+        if record is not None:
+            if self.config.async_scheduling:
+                self._pending = record
+            else:
+                updated += self._process(record)
+        elif not updated and self.scheduler.has_work():
+            raise RuntimeError("the scheduler can place no request although some wait: the KV pool "
+                               f"({self.blocks.num_blocks} blocks) or max_num_batched_tokens is too small")
+        return updated
+
+    def _bucket(self, num_tokens: int) -> int:
+        return next(b for b in self.token_buckets if b >= num_tokens)
+
+    def _dispatch(self, rows: list[ScheduledRow]) -> _InFlight:
+        sc = self.step_config
+        num_tokens = sum(r.num_new for r in rows)
+        T = self._bucket(num_tokens)
+        h = empty_inputs(T, min(T, self.config.max_num_seqs), sc)
+        tokens, ri, rf = h["tokens"], h["rows"], h["rows_f"]
+        t = 0
+        want_logprobs = False
+        for r, row in enumerate(rows):
+            req, n = row.request, row.num_new
+            p = req.params
+            tokens[1, t:t + n] = r
+            tokens[2, t:t + n] = np.arange(n)
+            if row.token_ids:
+                tokens[0, t:t + n] = row.token_ids
+            ri[[ROW_SLOT, ROW_NUM_NEW, ROW_START, ROW_NUM_DRAFTS, ROW_FIRST_TOKEN, ROW_SAMPLE, ROW_PROMPT_LEN,
+                ROW_SEED, ROW_TOP_K, ROW_MIN_TOKENS, ROW_LOGPROBS], r] = (
+                req.slot, n, row.start, row.num_drafts, t, int(row.sample), len(req.prompt_token_ids),
+                np.int64(req.seed).astype(np.uint32).view(np.int32), max(p.top_k, 0), p.min_tokens,
+                int(p.logprobs is not None))
+            rf[:, r] = (p.temperature, p.top_p, p.min_p, p.presence_penalty, p.frequency_penalty,
+                        p.repetition_penalty)
+            if p.min_tokens and req.stop_ids_for_min_tokens:
+                h["stop_ids"][r, :len(req.stop_ids_for_min_tokens)] = req.stop_ids_for_min_tokens
+            h["block_tables"][r, :len(req.block_ids)] = req.block_ids
+            want_logprobs |= p.logprobs is not None
+            t += n
+        # Fresh device copies: nothing the host does to these numpy buffers later can reach the step.
+        inputs = StepInputs(**{k: jnp.array(v, copy=True) for k, v in h.items()})
+        self.state, out = self._step(self.model.params, self.drafter_params, self.state, inputs)
+        for name in ("tokens", "num_accepted") + (("logprob", "top_ids", "top_logprobs") if want_logprobs else ()):
+            out[name].copy_to_host_async()
+        self.counters["steps"] += 1
+        self.counters["busy_rows"] += len(rows)
+        self.counters["scheduled_tokens"] += num_tokens
+        self.counters["padded_tokens"] += T
+        return _InFlight(rows, out, want_logprobs, time.perf_counter())
+
+    def _process(self, rec: _InFlight) -> list[Request]:
+        tokens = np.asarray(rec.out["tokens"])
+        accepted = np.asarray(rec.out["num_accepted"])
+        lp = {k: np.asarray(rec.out[k]) for k in ("logprob", "top_ids", "top_logprobs")} if rec.want_logprobs else None
+        updated = []
+        for r, row in enumerate(rec.rows):
+            req = row.request
+            req.in_flight -= 1
+            req.in_flight_samples -= int(row.sample)
+            if req.finished:
+                continue  # finished one step ago: this step's result for it is dropped
+            n_acc = int(accepted[r])
+            if row.num_drafts:
+                self._count_spec(req, row.num_drafts, n_acc)
+                if req.status is Status.RUNNING:
+                    req.num_computed -= row.num_drafts - n_acc   # the optimistic plan assumed all accepted
+            if not row.sample:
+                continue
+            emitted = tokens[r, :n_acc + 1]
+            per_token_lp = None
+            if lp is not None and req.params.logprobs is not None:
+                n_top = req.params.logprobs
+                per_token_lp = [{"logprob": float(lp["logprob"][r, j]),
+                                 "top": list(zip(lp["top_ids"][r, j, :n_top].tolist(),
+                                                 lp["top_logprobs"][r, j, :n_top].tolist()))}
+                                for j in range(n_acc + 1)]
+            append_tokens(req, emitted, self.tokenizer, self.step_config.max_model_len, per_token_lp)
+            if req.finish_reason:
+                self.scheduler.finish(req, req.finish_reason)
+                req.finish_time = time.perf_counter()
+            updated.append(req)
+        return updated
+
+    def _count_spec(self, req: Request, num_drafts: int, n_acc: int):
+        req.num_draft_tokens += num_drafts
+        req.num_accepted_tokens += n_acc
+        s = self.spec_counters
+        s["drafts"] += 1
+        s["draft_tokens"] += num_drafts
+        s["accepted_tokens"] += n_acc
+        s["accepted_per_position"][:n_acc] += 1
+
+    # ---- compilation and stats ---------------------------------------------------------------------
+    def warmup(self):
+        """Compile the step for every token bucket (all-padding inputs touch only the trash slot)."""
+        sc = self.step_config
+        for T in tqdm(self.token_buckets, desc="compiling step buckets", leave=False):
+            h = empty_inputs(T, min(T, self.config.max_num_seqs), sc)
+            inputs = StepInputs(**{k: jnp.array(v) for k, v in h.items()})
+            self.state, out = self._step(self.model.params, self.drafter_params, self.state, inputs)
+        jax.block_until_ready(self.state.num_tokens)
+        self._compiled_at_warmup = self.num_compiled()
+
+    def num_compiled(self) -> int:
+        return self._step._cache_size()
+
+    def stats(self) -> dict:
+        c = self.counters
+        baseline = self._compiled_at_warmup if self._compiled_at_warmup is not None else 0
+        out = {
+            "steps": c["steps"],
+            "token_buckets": list(self.token_buckets),
+            "compiled_buckets": self.num_compiled(),
+            "recompiles": max(0, self.num_compiled() - baseline) if self._compiled_at_warmup is not None else None,
+            "scheduled_tokens": c["scheduled_tokens"],
+            "padded_tokens": c["padded_tokens"],
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_kv_blocks": self.blocks.num_blocks,
+            "free_kv_blocks": self.blocks.num_free_blocks,
+            "async_scheduling": self.config.async_scheduling,
+        }
+        k = self.step_config.num_spec_tokens
+        if k:
+            s = self.spec_counters
+            drafts, dt, acc = s["drafts"], s["draft_tokens"], s["accepted_tokens"]
+            out["spec"] = {
+                "num_speculative_tokens": k,
+                "drafts": drafts, "draft_tokens": dt, "accepted_tokens": acc,
+                "acceptance_rate": acc / dt if dt else 0.0,
+                "mean_acceptance_length": 1 + acc / drafts if drafts else 1.0,
+                "per_position_acceptance": (s["accepted_per_position"] / drafts).tolist() if drafts else [0.0] * k,
+            }
+        return out

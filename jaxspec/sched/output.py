@@ -1,0 +1,89 @@
+"""Output processing: append confirmed tokens, stop checks, incremental detokenization, metrics."""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from jaxspec.sched.request import Request
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """One request's result (or, from `LLM.stream`, the delta since the last one)."""
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None   # "stop", "length", "abort"
+    logprobs: list | None = None       # per token: {"logprob", "top": [(token_id, logprob), ...]}
+    metrics: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def outputs(self):
+        """vLLM-style access: `out.outputs[0].text`."""
+        return [self]
+
+
+def append_tokens(req: Request, tokens, tokenizer, max_model_len: int, logprobs=None) -> tuple[list[int], str]:
+    """Append device-confirmed tokens, truncating exactly where a stop condition fires.
+
+    Returns (new token ids, new text). Sets req.finish_reason when the request is done.
+    """
+    p = req.params
+    now = time.perf_counter()
+    new_ids: list[int] = []
+    for i, tok in enumerate(tokens):
+        tok = int(tok)
+        req.output_token_ids.append(tok)
+        new_ids.append(tok)
+        if logprobs is not None:
+            req.logprobs.append(logprobs[i])
+        req.token_times.append(now)
+        n_out = len(req.output_token_ids)
+        if n_out >= p.min_tokens and ((not p.ignore_eos and tok in req.eos_token_ids) or tok in p.stop_token_ids):
+            req.finish_reason = "stop"
+        elif n_out >= p.max_tokens or req.num_tokens >= max_model_len:
+            req.finish_reason = "length"
+        if req.finish_reason:
+            break
+    if req.first_token_time is None and new_ids:
+        req.first_token_time = now
+    old_text = req.text
+    if tokenizer is not None:
+        ids = req.output_token_ids
+        if req.finish_reason == "stop" and ids and (ids[-1] in req.eos_token_ids or ids[-1] in p.stop_token_ids):
+            ids = ids[:-1]  # the stop token itself is not part of the text
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        if not req.finish_reason and text.endswith("\ufffd"):
+            text = old_text  # a multi-byte character is incomplete: wait for its remaining tokens
+        if p.stop and len(req.output_token_ids) >= p.min_tokens:
+            hit = _first_stop(text, p.stop, max(0, len(old_text) - max(map(len, p.stop))))
+            if hit is not None:
+                text = text[:hit]
+                req.finish_reason = "stop"
+        req.text = text
+    return new_ids, req.text[len(old_text):] if req.text.startswith(old_text) else req.text
+
+
+def _first_stop(text: str, stops: list[str], search_from: int) -> int | None:
+    found = [i for i in (text.find(s, search_from) for s in stops) if i >= 0]
+    return min(found) if found else None
+
+
+def request_metrics(req: Request) -> dict:
+    times = req.token_times
+    n = len(req.output_token_ids)
+    m = {
+        "num_prompt_tokens": len(req.prompt_token_ids),
+        "num_output_tokens": n,
+        "ttft": (req.first_token_time - req.arrival_time) if req.first_token_time else None,
+        "tpot": ((times[-1] - times[0]) / (n - 1)) if n > 1 else None,
+        "inter_token_latencies": [b - a for a, b in zip(times, times[1:])],
+        "e2e_latency": ((req.finish_time or time.perf_counter()) - req.arrival_time),
+        "num_preemptions": req.num_preemptions,
+        "num_draft_tokens": req.num_draft_tokens,
+        "num_accepted_tokens": req.num_accepted_tokens,
+    }
+    return m

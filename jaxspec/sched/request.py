@@ -1,0 +1,62 @@
+"""A request's host-side life: prompt, confirmed outputs, optimistic progress, KV blocks, device slot."""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+
+from jaxspec.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int                       # resolved seed: the device derives every random draw from it
+    eos_token_ids: tuple[int, ...]
+    prompt: str | None = None
+    stop_ids_for_min_tokens: list[int] = dataclasses.field(default_factory=list)  # masked until min_tokens
+    arrival_time: float = dataclasses.field(default_factory=time.perf_counter)
+
+    status: Status = Status.WAITING
+    output_token_ids: list[int] = dataclasses.field(default_factory=list)  # confirmed by the device
+    finish_reason: str | None = None
+    slot: int | None = None
+    block_ids: list[int] = dataclasses.field(default_factory=list)
+
+    # Tokens a (re)admission prefills: the prompt, plus the outputs so far after a preemption.
+    prefill_token_ids: list[int] = dataclasses.field(default_factory=list)
+    # Tokens whose KV the dispatched steps write, assuming every draft is accepted (an upper bound
+    # on the device's authoritative count; reconciled when a step's accepted counts are read).
+    num_computed: int = 0
+    in_flight: int = 0               # dispatched steps holding a row of this request, not yet read
+    in_flight_samples: int = 0       # of those, rows that emit at least one token
+
+    # output processing
+    text: str = ""
+    logprobs: list = dataclasses.field(default_factory=list)
+    first_token_time: float | None = None
+    token_times: list[float] = dataclasses.field(default_factory=list)
+    finish_time: float | None = None
+    num_preemptions: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def prefilling(self) -> bool:
+        return self.num_computed < len(self.prefill_token_ids)

@@ -1,0 +1,138 @@
+"""Continuous batching with chunked prefill under a token budget, and preemption by recompute.
+
+The scheduler plans step N+1 before step N's results are known. Prefill progress is exact; a decoding
+request is planned as if every draft of its in-flight steps were accepted (`Request.num_computed` is an
+upper bound), so the KV blocks it reserves always cover what the device will write.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+
+from jaxspec.sched.block_manager import BlockManager
+from jaxspec.sched.request import Request, Status
+
+
+@dataclasses.dataclass
+class ScheduledRow:
+    request: Request
+    num_new: int          # tokens the row feeds the model this step
+    num_drafts: int       # of those, drafts to verify (decode rows under speculation)
+    start: int            # position of the first token for prefill rows; -1: the device's own count
+    token_ids: list[int]  # host-known ids (prefill rows); decode rows read theirs on the device
+    sample: bool          # the row emits tokens this step
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int, num_spec_tokens: int = 0):
+        self.blocks = blocks
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.num_spec_tokens = num_spec_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, request: Request):
+        self.waiting.append(request)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- one planning pass -------------------------------------------------------------------------
+    def schedule(self) -> list[ScheduledRow]:
+        budget = self.max_num_batched_tokens
+        rows: list[ScheduledRow] = []
+        scheduled: set[int] = set()
+        for req in list(self.running):
+            if req.status is not Status.RUNNING or budget == 0:
+                continue
+            row = self._plan_running(req, budget)
+            if row is None:
+                continue
+            if not self._reserve(req, req.num_computed + row.num_new, scheduled):
+                continue
+            rows.append(self._commit(row))
+            scheduled.add(id(req))
+            budget -= row.num_new
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            if req.in_flight:  # a preempted request whose last outputs are still on their way
+                break
+            prefill = req.prompt_token_ids + req.output_token_ids
+            num_new = min(len(prefill), budget)
+            if not self.blocks.grow(req.block_ids, num_new):
+                break
+            self.waiting.popleft()
+            req.slot = self.blocks.take_slot()
+            req.status, req.prefill_token_ids, req.num_computed = Status.RUNNING, prefill, 0
+            self.running.append(req)
+            rows.append(self._commit(ScheduledRow(req, num_new, 0, 0, prefill[:num_new],
+                                                  sample=num_new == len(prefill))))
+            scheduled.add(id(req))
+            budget -= num_new
+        return rows
+
+    def _plan_running(self, req: Request, budget: int) -> ScheduledRow | None:
+        if req.prefilling:
+            start = req.num_computed
+            num_new = min(len(req.prefill_token_ids) - start, budget)
+            return ScheduledRow(req, num_new, 0, start, req.prefill_token_ids[start:start + num_new],
+                                sample=start + num_new == len(req.prefill_token_ids))
+        # Decode: each in-flight sampling row yields >= 1 token, so stop planning once those alone
+        # could reach max_tokens; and never plan a position past max_model_len - 1.
+        if len(req.output_token_ids) + req.in_flight_samples >= req.params.max_tokens:
+            return None
+        room = self.max_model_len - 2 - req.num_computed
+        if room < 0:
+            return None
+        num_drafts = min(self.num_spec_tokens, room)
+        if 1 + num_drafts > budget:
+            return None
+        return ScheduledRow(req, 1 + num_drafts, num_drafts, -1, [], sample=True)
+
+    def _commit(self, row: ScheduledRow) -> ScheduledRow:
+        req = row.request
+        req.num_computed += row.num_new
+        req.in_flight += 1
+        req.in_flight_samples += int(row.sample)
+        return row
+
+    def _reserve(self, req: Request, num_tokens: int, scheduled: set[int]) -> bool:
+        """Blocks for `num_tokens`; preempts the newest unscheduled running requests when short."""
+        while not self.blocks.grow(req.block_ids, num_tokens):
+            victims = [r for r in self.running if r is not req and id(r) not in scheduled]
+            victim = victims[-1] if victims else req
+            self.preempt(victim)
+            if victim is req:
+                return False
+        return True
+
+    # ---- state changes -----------------------------------------------------------------------------
+    def preempt(self, req: Request):
+        """Recompute later: drop the KV and the slot; the request re-prefills prompt + outputs."""
+        self._release(req)
+        req.status, req.num_computed = Status.WAITING, 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def finish(self, req: Request, reason: str):
+        if req.finished:
+            return
+        if req in self.running:
+            self._release(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        req.status, req.finish_reason = Status.FINISHED, reason
+
+    def _release(self, req: Request):
+        # Steps already dispatched may still write these blocks and this slot; any later step that
+        # reuses them runs after those on the device, since each step consumes the previous state.
+        self.running.remove(req)
+        self.blocks.free(req.block_ids)
+        if req.slot is not None:
+            self.blocks.free_slot(req.slot)
+            req.slot = None

@@ -1,0 +1,58 @@
+"""`SpeculativeConfig` and the drafter it builds."""
+from __future__ import annotations
+
+import dataclasses
+
+METHODS = ("draft_model", "eagle", "eagle3", "ngram")
+MAX_SPEC_TOKENS = 16
+
+
+@dataclasses.dataclass
+class SpeculativeConfig:
+    method: str
+    model: object = None                # draft model / EAGLE head: a preset, GGUF file, directory or Model
+    num_speculative_tokens: int = 4
+    draft_sampling: str = "argmax"      # "argmax": drafts are the drafter's argmax (q is a point mass)
+    prompt_lookup_min: int = 2          # ngram: shortest suffix matched against the history
+    prompt_lookup_max: int = 4          # ngram: longest suffix tried first
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"speculative method {self.method!r} is unknown; choose one of {', '.join(METHODS)}")
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or not 1 <= k <= MAX_SPEC_TOKENS:
+            raise ValueError(f"num_speculative_tokens={k!r} is invalid; it must be an int in [1, {MAX_SPEC_TOKENS}]")
+        if self.draft_sampling not in ("argmax", "sample"):
+            raise ValueError(f"draft_sampling={self.draft_sampling!r} is invalid; choose 'argmax' or 'sample'")
+        if self.method == "ngram":
+            if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+                raise ValueError(f"prompt_lookup_min={self.prompt_lookup_min} and prompt_lookup_max="
+                                 f"{self.prompt_lookup_max} are invalid; need 1 <= min <= max")
+            if self.draft_sampling != "argmax":
+                raise ValueError("ngram drafts are copied from the history: draft_sampling must be 'argmax'")
+        elif self.model is None:
+            raise ValueError(f"speculative method {self.method!r} needs `model` (the draft model or head)")
+
+    @classmethod
+    def coerce(cls, value) -> "SpeculativeConfig | None":
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, dict):
+            unknown = set(value) - {f.name for f in dataclasses.fields(cls)}
+            if unknown:
+                raise ValueError(f"unknown speculative_config keys {sorted(unknown)}; valid: "
+                                 f"{[f.name for f in dataclasses.fields(cls)]}")
+            return cls(**value)
+        raise ValueError(f"speculative_config must be a SpeculativeConfig or a dict, got {type(value).__name__}")
+
+
+def build_drafter(spec: SpeculativeConfig, target):
+    """-> (drafter, drafter_params) for the engine's step."""
+    if spec.method == "ngram":
+        from jaxspec.decode.drafters.ngram import NgramDrafter
+        return NgramDrafter(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max), None
+    if spec.method == "draft_model":
+        from jaxspec.decode.drafters.draft_model import build_draft_model_drafter
+        return build_draft_model_drafter(spec, target)
+    from jaxspec.decode.drafters.eagle import build_eagle_drafter
+    return build_eagle_drafter(spec, target)
