@@ -77,7 +77,8 @@ class Engine:
         self.blocks = BlockManager(num_blocks, config.block_size, config.max_num_seqs)
         self.scheduler = Scheduler(self.blocks, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
-                                   max_model_len=max_model_len, num_spec_tokens=k)
+                                   max_model_len=max_model_len, num_spec_tokens=k,
+                                   draft_lookahead=k if getattr(drafter, "needs_kv_lookahead", False) else 0)
         self.drafter, self.drafter_params = drafter, drafter_params
         drafter_state = drafter.init_state(self.step_config, dtype) if drafter is not None else None
         self.state = init_state(mc, self.step_config, dtype, drafter_state)

@@ -25,12 +25,15 @@ class ScheduledRow:
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, num_spec_tokens: int = 0):
+                 max_model_len: int, num_spec_tokens: int = 0, draft_lookahead: int = 0):
         self.blocks = blocks
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.num_spec_tokens = num_spec_tokens
+        # A drafter with its own KV writes up to k positions past what the target verifies while it
+        # proposes; decode rows reserve blocks for those too.
+        self.draft_lookahead = draft_lookahead
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -52,7 +55,8 @@ class Scheduler:
             row = self._plan_running(req, budget)
             if row is None:
                 continue
-            if not self._reserve(req, req.num_computed + row.num_new, scheduled):
+            lookahead = self.draft_lookahead if row.num_drafts else 0
+            if not self._reserve(req, req.num_computed + row.num_new + lookahead, scheduled):
                 continue
             rows.append(self._commit(row))
             scheduled.add(id(req))
@@ -102,6 +106,7 @@ class Scheduler:
 
     def _reserve(self, req: Request, num_tokens: int, scheduled: set[int]) -> bool:
         """Blocks for `num_tokens`; preempts the newest unscheduled running requests when short."""
+        num_tokens = min(num_tokens, self.max_model_len)   # a block table holds max_model_len positions
         while not self.blocks.grow(req.block_ids, num_tokens):
             victims = [r for r in self.running if r is not req and id(r) not in scheduled]
             victim = victims[-1] if victims else req
