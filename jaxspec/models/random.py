@@ -1,0 +1,62 @@
+"""Models with a real architecture's shapes and random weights: for benchmarks and tests that need the
+shapes (step time, memory traffic) but not the checkpoint."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxspec.models.config import ModelConfig
+from jaxspec.models.model import Model
+
+# The presets' shapes, as their GGUF headers give them.
+KNOWN_SHAPES = {
+    "smollm2-135m-instruct": ModelConfig(
+        arch="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
+        num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True,
+        max_position_embeddings=8192),
+    "qwen2.5-coder-0.5b-instruct": ModelConfig(
+        arch="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864, num_layers=24, num_heads=14,
+        num_kv_heads=2, head_dim=64, rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True,
+        max_position_embeddings=32768),
+    "qwen2.5-coder-1.5b-instruct": ModelConfig(
+        arch="qwen2", vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_layers=28, num_heads=12,
+        num_kv_heads=2, head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True,
+        max_position_embeddings=32768),
+}
+
+
+def random_params(config: ModelConfig, dtype="bfloat16", seed: int = 0, scale: float = 0.02) -> dict:
+    """Params in the layout of jaxspec/models/config.py, drawn on the device (norm weights are ones)."""
+    c, dtype = config, jnp.dtype(dtype)
+    L, D, F, hd = c.num_layers, c.hidden_size, c.intermediate_size, c.head_dim
+    shapes = {"q_proj": (L, c.num_heads * hd, D), "k_proj": (L, c.num_kv_heads * hd, D),
+              "v_proj": (L, c.num_kv_heads * hd, D), "o_proj": (L, D, c.num_heads * hd),
+              "gate_proj": (L, F, D), "up_proj": (L, F, D), "down_proj": (L, D, F)}
+    if c.qkv_bias:
+        shapes.update(q_bias=(L, c.num_heads * hd), k_bias=(L, c.num_kv_heads * hd), v_bias=(L, c.num_kv_heads * hd))
+    keys = iter(jax.random.split(jax.random.PRNGKey(seed), len(shapes) + 2))
+    layers = {name: (scale * jax.random.normal(next(keys), shape, jnp.float32)).astype(dtype)
+              for name, shape in shapes.items()}
+    layers["attn_norm"] = jnp.ones((L, D), dtype)
+    layers["mlp_norm"] = jnp.ones((L, D), dtype)
+    if c.qk_norm:
+        layers["q_norm"] = jnp.ones((L, hd), dtype)
+        layers["k_norm"] = jnp.ones((L, hd), dtype)
+    params = {"embed": (scale * jax.random.normal(next(keys), (c.vocab_size, D), jnp.float32)).astype(dtype),
+              "final_norm": jnp.ones((D,), dtype), "layers": layers}
+    if not c.tie_word_embeddings:
+        params["lm_head"] = (scale * jax.random.normal(next(keys), (c.vocab_size, D), jnp.float32)).astype(dtype)
+    return params
+
+
+def random_model(spec, dtype="bfloat16", seed: int = 0) -> Model:
+    """`spec`: a ModelConfig, a preset name, or anything `load_model` takes (its config is used)."""
+    if isinstance(spec, ModelConfig):
+        config = spec
+    elif spec in KNOWN_SHAPES:
+        config = KNOWN_SHAPES[spec]
+    else:
+        from jaxspec.models.loader import load_model
+        config = load_model(spec, dtype="float32").config
+    return Model(config, random_params(config, dtype, seed), tokenizer=None, name=f"random:{spec}",
+                 dtype=str(jnp.dtype(dtype)))
