@@ -83,7 +83,7 @@ def decode_bytes(engine, batch: int, context: int) -> int:
     mc = engine.model.config
     kv_itemsize = engine.state.kv["k"].dtype.itemsize
     kv = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * kv_itemsize * context * batch
-    return weight_bytes(engine.model.params) + kv
+    return weight_bytes(engine.params) + kv
 
 
 def device_step_time(engine, num_tokens: int, repeats: int = 20) -> float:
@@ -95,11 +95,11 @@ def device_step_time(engine, num_tokens: int, repeats: int = 20) -> float:
     h = empty_inputs(T, min(T, engine.config.max_num_seqs), engine.step_config)
     inputs = StepInputs(**{k: jnp.array(v) for k, v in h.items()})
     for _ in range(3):
-        engine.state, out = engine._step(engine.model.params, engine.drafter_params, engine.state, inputs)
+        engine.state, out = engine._step(engine.params, engine.drafter_params, engine.state, inputs)
     jax.block_until_ready(out["tokens"])
     t0 = time.perf_counter()
     for _ in range(repeats):
-        engine.state, out = engine._step(engine.model.params, engine.drafter_params, engine.state, inputs)
+        engine.state, out = engine._step(engine.params, engine.drafter_params, engine.state, inputs)
     jax.block_until_ready(out["tokens"])
     return (time.perf_counter() - t0) / repeats
 

@@ -128,10 +128,17 @@ def step(model_config, step_config: StepConfig, drafter, params, drafter_params,
         True, mode="drop")
     logits = jnp.where(too_short[..., None] & stop_hit[:, None, :], -jnp.inf, logits)
     idx = jnp.repeat(jnp.arange(R), K + 1)
-    logprobs = sampling.processed_logprobs(logits.reshape(R * (K + 1), V), st.take(idx)).reshape(R, K + 1, V)
+    all_greedy = jnp.all(st.is_greedy)
+    # An all-greedy batch needs only the argmax: skip the vocabulary-wide softmax and noise.
+    logprobs = jax.lax.cond(
+        all_greedy, lambda x: x,
+        lambda x: sampling.processed_logprobs(x.reshape(R * (K + 1), V), st.take(idx)).reshape(R, K + 1, V),
+        logits)
     keys = sampling.row_keys(rows[ROW_SEED].astype(jnp.uint32), base)
     if K == 0:
-        emitted = sampling.sample(logprobs[:, 0], st.is_greedy, keys)[:, None]
+        emitted = jax.lax.cond(
+            all_greedy, lambda x: jnp.argmax(x[:, 0], axis=-1).astype(jnp.int32),
+            lambda x: sampling.sample(x[:, 0], st.is_greedy, keys), logprobs)[:, None]
         num_accepted = jnp.zeros((R,), jnp.int32)
     else:
         emitted, num_accepted = rejection_sample(

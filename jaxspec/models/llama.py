@@ -104,14 +104,19 @@ def forward(config: ModelConfig, params: dict, kv_cache: dict, batch: ForwardBat
     inv_freq = rope_inv_freq(c)
     h = params["embed"][jnp.clip(batch.token_ids, 0, c.vocab_size - 1)]          # [T, D]
 
-    def layer(carry, lp):
-        h, k_cache, v_cache, i = carry
+    def layer(h, k_cache, v_cache, i, lp):
         x = rms_norm(h, lp["attn_norm"], c.rms_norm_eps)
-        q = x @ lp["q_proj"].T                                                     # [T, Hq*hd]
-        k = x @ lp["k_proj"].T                                                     # [T, Hkv*hd]
-        v = x @ lp["v_proj"].T
-        if c.qkv_bias:
-            q, k, v = q + lp["q_bias"], k + lp["k_bias"], v + lp["v_bias"]
+        if "qkv_proj" in lp:                                                       # fused: one weight read
+            qkv = x @ lp["qkv_proj"].T                                             # [T, (Hq+2Hkv)*hd]
+            if c.qkv_bias:
+                qkv = qkv + lp["qkv_bias"]
+            q, k, v = jnp.split(qkv, [Hq * hd, (Hq + Hkv) * hd], axis=-1)
+        else:
+            q = x @ lp["q_proj"].T                                                 # [T, Hq*hd]
+            k = x @ lp["k_proj"].T                                                 # [T, Hkv*hd]
+            v = x @ lp["v_proj"].T
+            if c.qkv_bias:
+                q, k, v = q + lp["q_bias"], k + lp["k_bias"], v + lp["v_bias"]
         q, k, v = q.reshape(T, Hq, hd), k.reshape(T, Hkv, hd), v.reshape(T, Hkv, hd)
         if c.qk_norm:
             q, k = rms_norm(q, lp["q_norm"], c.rms_norm_eps), rms_norm(k, lp["k_norm"], c.rms_norm_eps)
@@ -121,15 +126,53 @@ def forward(config: ModelConfig, params: dict, kv_cache: dict, batch: ForwardBat
         attn = attention_fn(q, k_cache[i], v_cache[i], batch, block_size)          # [T, Hq*hd]
         h = h + (attn.astype(h.dtype) @ lp["o_proj"].T)
         x = rms_norm(h, lp["mlp_norm"], c.rms_norm_eps)
-        h = h + (jax.nn.silu(x @ lp["gate_proj"].T) * (x @ lp["up_proj"].T)) @ lp["down_proj"].T
-        return (h, k_cache, v_cache, i + 1), (h if aux_layers else None)
+        if "gate_up_proj" in lp:
+            gate, up = jnp.split(x @ lp["gate_up_proj"].T, 2, axis=-1)              # [T, F] each
+        else:
+            gate, up = x @ lp["gate_proj"].T, x @ lp["up_proj"].T
+        h = h + (jax.nn.silu(gate) * up) @ lp["down_proj"].T
+        return h, k_cache, v_cache
 
-    (h, k_cache, v_cache, _), per_layer = jax.lax.scan(
-        layer, (h, kv_cache["k"], kv_cache["v"], jnp.int32(0)), params["layers"])
-    aux = per_layer[jnp.array(aux_layers)] if aux_layers else None
+    k_cache, v_cache = kv_cache["k"], kv_cache["v"]
+    if isinstance(params["layers"], (list, tuple)):
+        # One weight set per layer, unrolled: every weight is its own buffer, read in place by its matmul.
+        per_layer = []
+        for i, lp in enumerate(params["layers"]):
+            h, k_cache, v_cache = layer(h, k_cache, v_cache, i, lp)
+            per_layer.append(h)
+        aux = jnp.stack([per_layer[i] for i in aux_layers]) if aux_layers else None
+    else:
+        # Stacked weights, scanned: one layer body to compile (fast compiles on CPU and in tests).
+        def body(carry, lp):
+            h, k_cache, v_cache, i = carry
+            h, k_cache, v_cache = layer(h, k_cache, v_cache, i, lp)
+            return (h, k_cache, v_cache, i + 1), (h if aux_layers else None)
+
+        (h, k_cache, v_cache, _), per_layer = jax.lax.scan(
+            body, (h, k_cache, v_cache, jnp.int32(0)), params["layers"])
+        aux = per_layer[jnp.array(aux_layers)] if aux_layers else None
     hidden = rms_norm(h, params["final_norm"], c.rms_norm_eps)
     logits = lm_logits(params, hidden[batch.logits_indices])
     return logits, hidden, aux, {"k": k_cache, "v": v_cache}
+
+
+def unstack_layers(params: dict, fuse: bool = True) -> dict:
+    """Stacked layer weights [L, ...] -> a list of per-layer dicts (the unrolled forward's layout), with
+    q/k/v and gate/up concatenated so each layer reads its weights in three matmuls plus o and down."""
+    layers = params["layers"]
+    if isinstance(layers, (list, tuple)):
+        return params
+    n = next(iter(layers.values())).shape[0]
+    out = []
+    for i in range(n):
+        lp = {k: v[i] for k, v in layers.items()}
+        if fuse:
+            lp["qkv_proj"] = jnp.concatenate([lp.pop("q_proj"), lp.pop("k_proj"), lp.pop("v_proj")], axis=0)
+            lp["gate_up_proj"] = jnp.concatenate([lp.pop("gate_proj"), lp.pop("up_proj")], axis=0)
+            if "q_bias" in lp:
+                lp["qkv_bias"] = jnp.concatenate([lp.pop("q_bias"), lp.pop("k_bias"), lp.pop("v_bias")])
+        out.append(lp)
+    return {**params, "layers": out}
 
 
 def lm_logits(params: dict, hidden):

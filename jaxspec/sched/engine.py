@@ -20,6 +20,7 @@ from jaxspec.decode.state import (
     MAX_STOP_IDS, ROW_FIRST_TOKEN, ROW_LOGPROBS, ROW_MIN_TOKENS, ROW_NUM_DRAFTS, ROW_NUM_NEW, ROW_PROMPT_LEN,
     ROW_SAMPLE, ROW_SEED, ROW_SLOT, ROW_START, ROW_TOP_K, StepConfig, StepInputs, empty_inputs, init_state)
 from jaxspec.decode.step import make_step
+from jaxspec.models.llama import unstack_layers
 from jaxspec.sampling_params import SamplingParams
 from jaxspec.sched.block_manager import BlockManager
 from jaxspec.sched.output import append_tokens
@@ -65,6 +66,9 @@ class Engine:
     def __init__(self, model, config: EngineConfig, drafter=None, drafter_params=None):
         config.validate()
         self.model, self.config, self.tokenizer = model, config, model.tokenizer
+        # On a GPU the layers run unrolled with fused q/k/v and gate/up weights: each weight is its own
+        # buffer, read once by one matmul (scanning stacked weights copies each layer's slice first).
+        self.params = unstack_layers(model.params) if jax.default_backend() == "gpu" else model.params
         mc = model.config
         max_model_len = config.max_model_len or min(mc.max_position_embeddings, 4096)
         k = drafter.num_spec_tokens if drafter is not None else 0
@@ -203,7 +207,7 @@ class Engine:
             t += n
         # Fresh device copies: nothing the host does to these numpy buffers later can reach the step.
         inputs = StepInputs(**{k: jnp.array(v, copy=True) for k, v in h.items()})
-        self.state, out = self._step(self.model.params, self.drafter_params, self.state, inputs)
+        self.state, out = self._step(self.params, self.drafter_params, self.state, inputs)
         for name in ("tokens", "num_accepted") + (("logprob", "top_ids", "top_logprobs") if want_logprobs else ()):
             out[name].copy_to_host_async()
         self.counters["steps"] += 1
@@ -261,7 +265,7 @@ class Engine:
         for T in tqdm(self.token_buckets, desc="compiling step buckets", leave=False):
             h = empty_inputs(T, min(T, self.config.max_num_seqs), sc)
             inputs = StepInputs(**{k: jnp.array(v) for k, v in h.items()})
-            self.state, out = self._step(self.model.params, self.drafter_params, self.state, inputs)
+            self.state, out = self._step(self.params, self.drafter_params, self.state, inputs)
         jax.block_until_ready(self.state.num_tokens)
         self._compiled_at_warmup = self.num_compiled()
 

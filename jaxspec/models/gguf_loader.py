@@ -1,0 +1,251 @@
+"""Load a llama / qwen2 / qwen3 GGUF file (llama.cpp format) into a `Model`.
+
+Tensors are dequantized to float32 on the host with the `gguf` package, renamed to their HF names,
+and handed to `params_from_hf_tensors`. The tokenizer is rebuilt from the GGUF vocabulary by
+transformers; the chat template and bos/eos ids come from the GGUF metadata.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import re
+import shutil
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+from jaxspec.models.config import ARCHITECTURES, ModelConfig
+from jaxspec.models.errors import CorruptModelFileError, UnsupportedModelError
+from jaxspec.models.model import Model
+from jaxspec.models.weights import params_from_hf_tensors, resolve_dtype
+
+Q = gguf.GGMLQuantizationType
+SUPPORTED_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)
+
+_TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+              "output.weight": "lm_head.weight"}
+_BLOCK_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias", "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_BLOCK_RE = re.compile(r"blk\.(\d+)\.(.+)")
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """The HF tensor name for a GGUF tensor name, or None for tensors jaxspec does not use."""
+    if gguf_name in _TOP_NAMES:
+        return _TOP_NAMES[gguf_name]
+    m = _BLOCK_RE.fullmatch(gguf_name)
+    if m and m.group(2) in _BLOCK_NAMES:
+        return f"model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}"
+    return None
+
+
+def unpermute_rows(weight: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation (rotate-half layout -> interleaved pairs) for a [rows, ...] tensor.
+
+    llama.cpp's converter maps HF rows, viewed per head as (2, hd/2), to (hd/2, 2); this is the inverse.
+    Works for weights [n_heads*hd, D] and biases [n_heads*hd].
+    """
+    rows = weight.shape[0]
+    head_dim = rows // n_heads
+    rest = weight.shape[1:]
+    return weight.reshape(n_heads, head_dim // 2, 2, *rest).swapaxes(1, 2).reshape(weight.shape)
+
+
+def permute_rows(weight: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp's q/k row permutation (the inverse of `unpermute_rows`), as its converter applies it."""
+    rows = weight.shape[0]
+    head_dim = rows // n_heads
+    rest = weight.shape[1:]
+    return weight.reshape(n_heads, 2, head_dim // 2, *rest).swapaxes(1, 2).reshape(weight.shape)
+
+
+def check_supported(tensor: gguf.ReaderTensor) -> None:
+    """UnsupportedModelError naming the tensor and its type unless jaxspec can dequantize it."""
+    if tensor.tensor_type not in SUPPORTED_TYPES:
+        raise UnsupportedModelError(
+            f"tensor {tensor.name!r} has quantization type {tensor.tensor_type.name}; supported: "
+            f"{', '.join(t.name for t in SUPPORTED_TYPES)}")
+
+
+def dequantize_tensor(tensor: gguf.ReaderTensor) -> np.ndarray:
+    """Float32 values of a GGUF tensor in numpy order (HF [out, in] for a weight matrix)."""
+    check_supported(tensor)
+    shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
+    values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    return np.asarray(values, np.float32).reshape(shape)
+
+
+def open_gguf(path: str | os.PathLike) -> gguf.GGUFReader:
+    """A `GGUFReader` over `path`; FileNotFoundError if absent, CorruptModelFileError if truncated or not GGUF."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF file not found: {str(path)!r}")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise CorruptModelFileError(f"{str(path)!r} is not a GGUF file (starts with {magic!r}, expected b'GGUF')")
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as e:  # the reader raises ValueError/IndexError/... on truncated headers
+        raise CorruptModelFileError(f"GGUF file {str(path)!r} is truncated or corrupt: {type(e).__name__}: {e}") from e
+    size = path.stat().st_size
+    for t in reader.tensors:
+        if t.data_offset + t.n_bytes > size or t.data.nbytes != t.n_bytes:
+            raise CorruptModelFileError(
+                f"GGUF file {str(path)!r} is truncated: tensor {t.name!r} needs bytes up to "
+                f"{t.data_offset + t.n_bytes}, the file has {size}")
+    return reader
+
+
+def metadata(reader: gguf.GGUFReader, key: str, default=None):
+    """The value of a GGUF metadata key (str, number, bool or list), or `default` when absent."""
+    field = reader.get_field(key)
+    if field is None:
+        return default
+    return field.contents()
+
+
+def _require(reader: gguf.GGUFReader, key: str):
+    value = metadata(reader, key)
+    if value is None:
+        raise CorruptModelFileError(f"GGUF metadata lacks required key {key!r}")
+    return value
+
+
+def config_from_gguf(reader: gguf.GGUFReader) -> ModelConfig:
+    """ModelConfig from the GGUF metadata (and the embedding/output tensors for vocab size and tying)."""
+    arch = metadata(reader, "general.architecture")
+    if arch not in ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"unsupported GGUF architecture {arch!r}; supported: {', '.join(ARCHITECTURES)}")
+    names = {t.name: t for t in reader.tensors}
+    if "rope_freqs.weight" in names:
+        raise UnsupportedModelError("GGUF has a rope_freqs tensor (llama3-style rope scaling baked into "
+                                    "frequencies); jaxspec reads llama3 rope scaling only from a HF config.json")
+    scaling = metadata(reader, f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none"):
+        raise UnsupportedModelError(f"GGUF rope scaling type {scaling!r} is not supported; supported: none")
+    if "token_embd.weight" not in names:
+        raise CorruptModelFileError("GGUF has no token_embd.weight tensor")
+    hidden = int(_require(reader, f"{arch}.embedding_length"))
+    n_heads = int(_require(reader, f"{arch}.attention.head_count"))
+    tokens = metadata(reader, "tokenizer.ggml.tokens")
+    vocab_size = int(names["token_embd.weight"].shape[1])  # GGUF dims are reversed: [D, V]
+    if tokens is not None and len(tokens) > vocab_size:
+        raise CorruptModelFileError(f"GGUF token list has {len(tokens)} entries but token_embd has {vocab_size} rows")
+    eos = metadata(reader, "tokenizer.ggml.eos_token_id")
+    return ModelConfig(
+        arch=arch,
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=int(_require(reader, f"{arch}.feed_forward_length")),
+        num_layers=int(_require(reader, f"{arch}.block_count")),
+        num_heads=n_heads,
+        num_kv_heads=int(metadata(reader, f"{arch}.attention.head_count_kv", n_heads)),
+        head_dim=int(metadata(reader, f"{arch}.attention.key_length", hidden // n_heads)),
+        rms_norm_eps=float(metadata(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(metadata(reader, f"{arch}.rope.freq_base", 10000.0)),
+        tie_word_embeddings="output.weight" not in names,
+        max_position_embeddings=int(metadata(reader, f"{arch}.context_length", 4096)),
+        bos_token_id=metadata(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=(int(eos),) if eos is not None else (),
+    )
+
+
+def params_from_gguf(reader: gguf.GGUFReader, config: ModelConfig, dtype="float32") -> dict:
+    """The params pytree from an open GGUF: every used tensor's type is checked before any is dequantized."""
+    by_hf_name = {}
+    for t in reader.tensors:
+        name = hf_name(t.name)
+        if name is None:
+            continue
+        check_supported(t)
+        by_hf_name[name] = t
+    permuted = {"self_attn.q_proj": config.num_heads, "self_attn.k_proj": config.num_kv_heads}
+
+    def get_tensor(name: str) -> np.ndarray:
+        value = dequantize_tensor(by_hf_name[name])
+        if config.arch == "llama":
+            for proj, heads in permuted.items():
+                if f".{proj}." in name:
+                    value = unpermute_rows(value, heads)
+        return value
+
+    return params_from_hf_tensors(config, get_tensor, dtype)
+
+
+def _tokenizer_cache_dir(path: Path) -> Path:
+    """Where the tokenizer built from `path` is kept: keyed by the file's path, size and mtime."""
+    from jaxspec.models.presets import cache_dir
+
+    st = path.stat()
+    key = hashlib.sha256(f"{path}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    return cache_dir() / "tokenizers" / f"{path.stem}-{key}"
+
+
+def hf_tokenizer_from_gguf(path: str | os.PathLike, use_cache: bool = True):
+    """The transformers tokenizer that transformers builds from a GGUF vocabulary.
+
+    Building it re-parses the GGUF and converts the vocabulary (~15 s for Qwen's 151k tokens), so the
+    result is saved under the jaxspec cache and reloaded from there while the file is unchanged.
+    """
+    from transformers import AutoTokenizer
+
+    path = Path(path).resolve()
+    cached = _tokenizer_cache_dir(path)
+    if use_cache and (cached / "tokenizer.json").is_file():
+        return AutoTokenizer.from_pretrained(str(cached))
+    try:
+        hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except Exception as e:
+        raise UnsupportedModelError(f"transformers could not build a tokenizer from {str(path)!r}: {e}") from e
+    if use_cache:
+        tmp = cached.with_name(f".{cached.name}.{os.getpid()}.partial")
+        try:
+            hf.save_pretrained(str(tmp))
+            if not cached.exists():
+                tmp.rename(cached)
+        except OSError:
+            pass  # an unwritable cache only costs time
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return hf
+
+
+def tokenizer_from_gguf(path: str | os.PathLike, reader: gguf.GGUFReader, use_cache: bool = True):
+    """A jaxspec Tokenizer built by transformers from the GGUF vocabulary, with the GGUF chat template
+    and bos/eos ids; None when the GGUF carries no vocabulary."""
+    from jaxspec.models.tokenizer import Tokenizer
+
+    if metadata(reader, "tokenizer.ggml.tokens") is None:
+        return None
+    hf = hf_tokenizer_from_gguf(path, use_cache)
+    eos = metadata(reader, "tokenizer.ggml.eos_token_id")
+    bos = metadata(reader, "tokenizer.ggml.bos_token_id")
+    return Tokenizer(hf, chat_template=metadata(reader, "tokenizer.chat_template"),
+                     eos_token_id=None if eos is None else int(eos), bos_token_id=None if bos is None else int(bos))
+
+
+def load_gguf(path: str | os.PathLike, dtype="bfloat16", with_tokenizer: bool = True) -> Model:
+    """Load a GGUF file (llama, qwen2 or qwen3; types F32/F16/BF16/Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q5_K/Q6_K)."""
+    dtype = resolve_dtype(dtype)
+    reader = open_gguf(path)
+    config = config_from_gguf(reader)
+    params = params_from_gguf(reader, config, dtype)
+    tokenizer = tokenizer_from_gguf(path, reader) if with_tokenizer else None
+    if tokenizer is not None and tokenizer.eos_token_ids:
+        eos_ids = tuple(dict.fromkeys((*config.eos_token_ids, *tokenizer.eos_token_ids)))
+        config = dataclasses.replace(config, eos_token_ids=eos_ids)
+    return Model(config=config, params=params, tokenizer=tokenizer, name=Path(path).stem, dtype=dtype)
+

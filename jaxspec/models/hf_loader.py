@@ -1,0 +1,116 @@
+"""Load a HF transformers checkpoint directory (config.json + safetensors) into a `Model`."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+from safetensors import safe_open
+
+from jaxspec.models.config import ModelConfig
+from jaxspec.models.errors import CorruptModelFileError
+from jaxspec.models.model import Model
+from jaxspec.models.weights import params_from_hf_tensors, resolve_dtype
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+_RAW_DTYPES = {"BF16": ml_dtypes.bfloat16, "F16": np.float16, "F32": np.float32}
+
+
+def read_config(path: str | os.PathLike) -> ModelConfig:
+    """ModelConfig from `path/config.json`; FileNotFoundError if absent, ValueError if invalid or incomplete."""
+    config_path = Path(path) / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"no config.json in {str(path)!r} (a HF model directory needs one)")
+    try:
+        hf = json.loads(config_path.read_text())
+    except json.JSONDecodeError as e:
+        raise CorruptModelFileError(f"{str(config_path)!r} is not valid JSON: {e}") from e
+    try:
+        return ModelConfig.from_hf(hf)
+    except ValueError as e:
+        raise type(e)(f"{config_path}: {e}") from e
+
+
+class SafetensorsDir:
+    """Lazy tensor access by name across the safetensors file(s) of a HF directory (single or sharded)."""
+
+    def __init__(self, path: str | os.PathLike):
+        path = Path(path)
+        index = path / "model.safetensors.index.json"
+        single = path / "model.safetensors"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            self.file_of = {name: path / shard for name, shard in weight_map.items()}
+        elif single.is_file():
+            self.file_of = None
+        else:
+            raise FileNotFoundError(
+                f"no model.safetensors or model.safetensors.index.json in {str(path)!r}")
+        self._handles: dict[Path, object] = {}
+        if self.file_of is None:
+            self.file_of = {name: single for name in self._open(single).keys()}
+        for shard in set(self.file_of.values()):
+            if not shard.is_file():
+                raise FileNotFoundError(f"safetensors shard {str(shard)!r} listed in the index is missing")
+
+    def _open(self, file: Path):
+        if file not in self._handles:
+            try:
+                self._handles[file] = safe_open(str(file), framework="numpy")
+            except Exception as e:
+                raise CorruptModelFileError(f"cannot read safetensors file {str(file)!r}: {e}") from e
+        return self._handles[file]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.file_of
+
+    def get_tensor(self, name: str) -> np.ndarray:
+        """The tensor `name` as a numpy array (bf16 as ml_dtypes.bfloat16); KeyError if absent."""
+        file = self.file_of[name]
+        handle = self._open(file)
+        if handle.get_slice(name).get_dtype() == "BF16":
+            return _read_raw(file, name)  # safetensors' numpy backend has no bfloat16
+        return handle.get_tensor(name)
+
+
+def _read_raw(file: Path, name: str) -> np.ndarray:
+    """Read one tensor straight from the safetensors layout: u64 header size, JSON header, raw data."""
+    with open(file, "rb") as f:
+        header_size = int.from_bytes(f.read(8), "little")
+        info = json.loads(f.read(header_size))[name]
+        start, end = info["data_offsets"]
+        f.seek(8 + header_size + start)
+        data = f.read(end - start)
+    if len(data) != end - start:
+        raise CorruptModelFileError(f"safetensors file {str(file)!r} is truncated in tensor {name!r}")
+    return np.frombuffer(data, _RAW_DTYPES[info["dtype"]]).reshape(info["shape"])
+
+
+def load_tokenizer_dir(path: str | os.PathLike):
+    """A jaxspec Tokenizer from the tokenizer files in `path`, or None when there are none."""
+    path = Path(path)
+    if not any((path / f).is_file() for f in TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer
+
+    from jaxspec.models.tokenizer import Tokenizer
+    return Tokenizer(AutoTokenizer.from_pretrained(str(path)))
+
+
+def load_hf_dir(path: str | os.PathLike, dtype="bfloat16") -> Model:
+    """Load a llama / qwen2 / qwen3 HF directory: config.json, safetensors weights, tokenizer if present."""
+    dtype = resolve_dtype(dtype)
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"HF model directory not found: {str(path)!r}")
+    config = read_config(path)
+    tensors = SafetensorsDir(path)
+    params = params_from_hf_tensors(config, tensors.get_tensor, dtype)
+    tokenizer = load_tokenizer_dir(path)
+    if tokenizer is not None:
+        eos_ids = tuple(dict.fromkeys((*config.eos_token_ids, *tokenizer.eos_token_ids)))
+        config = dataclasses.replace(config, eos_token_ids=eos_ids)
+    return Model(config=config, params=params, tokenizer=tokenizer, name=path.name, dtype=dtype)

@@ -1,0 +1,51 @@
+"""`Tokenizer`: a thin wrapper over a transformers tokenizer with the chat template and stop ids jaxspec needs."""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+# End-of-turn tokens of common chat templates; those the template uses also stop generation.
+CHAT_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|end_of_turn|>", "<|endoftext|>")
+
+
+class Tokenizer:
+    def __init__(self, hf: Any, chat_template: str | None = None, eos_token_id: int | None = None,
+                 bos_token_id: int | None = None):
+        """`hf`: a transformers tokenizer. `chat_template` (jinja) overrides the tokenizer's own; the
+        eos/bos ids override the tokenizer's (GGUF metadata is authoritative for GGUF models)."""
+        self.hf = hf
+        self.chat_template = chat_template or getattr(hf, "chat_template", None) or None
+        self.bos_token_id = bos_token_id if bos_token_id is not None else hf.bos_token_id
+        eos = eos_token_id if eos_token_id is not None else hf.eos_token_id
+        self.eos_token_ids = self._stop_ids(eos)
+
+    def _stop_ids(self, eos: int | None) -> tuple[int, ...]:
+        ids = [] if eos is None else [int(eos)]
+        vocab = self.hf.get_vocab()
+        for token in CHAT_END_TOKENS:
+            if self.chat_template and token in self.chat_template and token in vocab:
+                ids.append(int(vocab[token]))
+        return tuple(dict.fromkeys(ids))
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids the tokenizer can produce (base vocabulary plus added tokens)."""
+        return len(self.hf)
+
+    def get_vocab(self) -> dict[str, int]:
+        return self.hf.get_vocab()
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """The prompt text for `messages` ([{'role': ..., 'content': ...}]) rendered by the chat template."""
+        if not self.chat_template:
+            raise ValueError("this tokenizer has no chat template; pass plain text prompts instead of messages")
+        return self.hf.apply_chat_template(messages, chat_template=self.chat_template, tokenize=False,
+                                           add_generation_prompt=add_generation_prompt)
+
+    def __repr__(self) -> str:
+        return f"Tokenizer({type(self.hf).__name__}, vocab_size={self.vocab_size}, eos={self.eos_token_ids})"

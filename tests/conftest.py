@@ -1,0 +1,158 @@
+"""Shared fixtures: CPU JAX, tiny random HF checkpoints (session-scoped), the SmolLM2 GGUF preset file."""
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# A per-session persistent compilation cache: engines whose steps differ only in params or in async/sync
+# scheduling (many of tests/test_spec.py) compile once.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    import tempfile
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxspec-test-jit-")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
+
+import pytest  # noqa: E402
+
+TINY_DIMS = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+
+# name -> (transformers config class name, extra config kwargs, max_shard_size or None)
+TINY_MODELS = {
+    "llama": ("LlamaConfig", dict(rms_norm_eps=1e-5, rope_theta=10000.0), None),
+    "llama3_tied": ("LlamaConfig", dict(
+        tie_word_embeddings=True, rope_theta=500000.0,
+        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=16)), None),
+    "llama_sharded": ("LlamaConfig", dict(), "60KB"),
+    "qwen2": ("Qwen2Config", dict(rope_theta=1000000.0, tie_word_embeddings=False), None),
+    "qwen3": ("Qwen3Config", dict(head_dim=32, tie_word_embeddings=False), None),
+}
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: loads a real 0.5B+ model (kept in CI, seconds to a minute)")
+
+
+def randomize_(model, seed: int):
+    """Give every weight O(1)-scale random values (norm weights around 1) so parity tests see real signal."""
+    import torch
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen, dtype=p.dtype)
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * noise)
+            elif "embed" in name:
+                p.copy_(noise)
+            elif p.ndim == 2:
+                p.copy_(noise / p.shape[-1] ** 0.5)  # unit gain for a unit-variance input
+            else:
+                p.copy_(0.5 * noise)  # biases
+
+
+def make_tiny_hf_model(kind: str, path, seed: int = 0):
+    """Save a tiny random transformers model of `kind` (a TINY_MODELS key) in float32 safetensors at `path`."""
+    import torch
+    import transformers
+    config_cls, extra, shard = TINY_MODELS[kind]
+    config = getattr(transformers, config_cls)(**{**TINY_DIMS, **extra})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    randomize_(model, seed)
+    kwargs = {"max_shard_size": shard} if shard else {}
+    model.save_pretrained(str(path), safe_serialization=True, **kwargs)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_dirs(tmp_path_factory):
+    """{kind: directory} of tiny random HF checkpoints: llama, llama3_tied, llama_sharded, qwen2, qwen3."""
+    root = tmp_path_factory.mktemp("tiny_hf")
+    return {kind: make_tiny_hf_model(kind, root / kind, seed=i) for i, kind in enumerate(TINY_MODELS)}
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf_path():
+    """The SmolLM2-135M-Instruct Q4_1 GGUF, assembled (and sha256-verified) into the jaxspec cache."""
+    from jaxspec.models.presets import preset_path
+    return preset_path("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="session")
+def qwen_0_5b_gguf_path():
+    """The Qwen2.5-Coder-0.5B-Instruct GGUF, assembled from its 6 pip packages into the jaxspec cache."""
+    from jaxspec.models.presets import preset_path
+    return preset_path("qwen2.5-coder-0.5b-instruct")
+
+
+# ---- engine fixtures (tests/test_engine.py) ----------------------------------------------------------
+@pytest.fixture(scope="session")
+def tiny_llama_model(tiny_hf_dirs):
+    """The tiny random llama checkpoint as a jaxspec `Model` (float32, no tokenizer: pass token ids)."""
+    from jaxspec.models.loader import load_model
+    return load_model(str(tiny_hf_dirs["llama"]), dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def smollm2_model(smollm2_gguf_path):
+    """SmolLM2-135M-Instruct (real weights and tokenizer) as a float32 jaxspec `Model`."""
+    from jaxspec.models.loader import load_model
+    return load_model(str(smollm2_gguf_path), dtype="float32")
+
+
+def random_model(seed: int = 0, *, arch: str = "llama", vocab_size: int = 128, hidden_size: int = 32,
+                 num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2, intermediate_size: int = 64,
+                 max_position_embeddings: int = 256, base=None, noise: float = 1.0):
+    """A tiny random jaxspec `Model` (float32, no tokenizer), built in-process.
+
+    With `base` (a Model of the same shapes), the weights are base's plus `noise` times fresh random ones:
+    a draft model that agrees with its target often but not always.
+    """
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jaxspec.models.config import ModelConfig
+    from jaxspec.models.model import Model
+
+    hd = hidden_size // num_heads
+    config = ModelConfig(arch=arch, vocab_size=vocab_size, hidden_size=hidden_size,
+                         intermediate_size=intermediate_size, num_layers=num_layers, num_heads=num_heads,
+                         num_kv_heads=num_kv_heads, head_dim=hd, rms_norm_eps=1e-5,
+                         max_position_embeddings=max_position_embeddings)
+    rng = np.random.default_rng(seed)
+    L, D, F = num_layers, hidden_size, intermediate_size
+
+    def mat(*shape):  # unit gain for a unit-variance input
+        return rng.standard_normal(shape) / np.sqrt(shape[-1])
+
+    params = {
+        "embed": rng.standard_normal((vocab_size, D)),
+        "final_norm": 1 + 0.2 * rng.standard_normal(D),
+        "lm_head": 2 * mat(vocab_size, D),
+        "layers": {
+            "attn_norm": 1 + 0.2 * rng.standard_normal((L, D)), "mlp_norm": 1 + 0.2 * rng.standard_normal((L, D)),
+            "q_proj": mat(L, num_heads * hd, D), "k_proj": mat(L, num_kv_heads * hd, D),
+            "v_proj": mat(L, num_kv_heads * hd, D), "o_proj": mat(L, D, num_heads * hd),
+            "gate_proj": mat(L, F, D), "up_proj": mat(L, F, D), "down_proj": mat(L, D, F),
+        },
+    }
+    if config.qkv_bias:
+        params["layers"].update(q_bias=0.1 * rng.standard_normal((L, num_heads * hd)),
+                                k_bias=0.1 * rng.standard_normal((L, num_kv_heads * hd)),
+                                v_bias=0.1 * rng.standard_normal((L, num_kv_heads * hd)))
+    if base is not None:  # base + noise * (random of the same scale as each base tensor)
+        params = jax.tree_util.tree_map(
+            lambda b: np.asarray(b) + noise * np.asarray(b).std() * rng.standard_normal(b.shape), base.params)
+    params = jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float32), params)
+    return Model(config, params, tokenizer=None, name=f"random-{arch}-{seed}")
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_model(smollm2_gguf_path):
+    """transformers' own float32 load of the same SmolLM2 GGUF: the reference implementation."""
+    import torch
+    import transformers
+    from pathlib import Path
+    path = Path(smollm2_gguf_path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                              dtype=torch.float32)
+    return model.eval()

@@ -1,0 +1,60 @@
+"""`Model.score` against transformers float32 logits on the same weights: max|diff| / max|ref| <= 1e-4."""
+import numpy as np
+import pytest
+
+from jaxspec.models import load_model
+
+TOLERANCE = 1e-4
+
+
+def relative_error(got, ref) -> float:
+    return float(np.abs(np.asarray(got, np.float64) - ref).max() / np.abs(ref).max())
+
+
+def transformers_logits(model, token_ids) -> np.ndarray:
+    import torch
+    with torch.no_grad():
+        return model(torch.tensor([list(token_ids)])).logits[0].double().numpy()
+
+
+def transformers_from_gguf(path):
+    import torch
+    import transformers
+    return transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                             dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("kind", ["llama", "llama3_tied", "llama_sharded", "qwen2", "qwen3"])
+def test_tiny_hf_models_match_transformers(tiny_hf_dirs, kind):
+    import torch
+    import transformers
+    ref_model = transformers.AutoModelForCausalLM.from_pretrained(str(tiny_hf_dirs[kind]), dtype=torch.float32)
+    model = load_model(tiny_hf_dirs[kind], dtype="float32")
+    # 40 tokens: beyond llama3_tied's original_max_position_embeddings=16, so the scaled rope band matters.
+    token_ids = np.random.default_rng(0).integers(0, model.config.vocab_size, 40)
+    ref = transformers_logits(ref_model.eval(), token_ids)
+    got = model.score(token_ids)
+    assert got.shape == ref.shape
+    assert relative_error(got, ref) <= TOLERANCE
+
+
+def test_smollm2_gguf_matches_transformers(smollm2_gguf_path):
+    model = load_model(smollm2_gguf_path, dtype="float32")
+    token_ids = model.tokenizer.encode("The quick brown fox jumps over the lazy dog because it wanted to see")
+    assert 12 <= len(token_ids) <= 20
+    ref = transformers_logits(transformers_from_gguf(smollm2_gguf_path), token_ids)
+    got = model.score(token_ids)
+    assert relative_error(got, ref) <= TOLERANCE
+    assert (got.argmax(-1) == ref.argmax(-1)).all()
+
+
+@pytest.mark.slow
+def test_qwen_coder_0_5b_preset_matches_transformers(qwen_0_5b_gguf_path):
+    model = load_model("qwen2.5-coder-0.5b-instruct", dtype="float32")
+    assert model.config.arch == "qwen2" and model.config.qkv_bias
+    prompt = model.tokenizer.apply_chat_template([{"role": "user", "content": "def fib(n):"}])
+    token_ids = model.tokenizer.encode(prompt)
+    ref = transformers_logits(transformers_from_gguf(qwen_0_5b_gguf_path), token_ids)
+    got = model.score(token_ids)
+    assert relative_error(got, ref) <= TOLERANCE
+    assert (got.argmax(-1) == ref.argmax(-1)).all()

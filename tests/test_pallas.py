@@ -1,0 +1,120 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from jaxspec.pallas import acceptance, acceptance_reference, slot_mapping, slot_mapping_reference
+
+# Shapes are drawn from small sets so the (interpret-mode) kernels compile only a few times.
+SETTINGS = settings(max_examples=10, deadline=None, derandomize=True,
+                    suppress_health_check=[HealthCheck.too_slow])
+
+
+def acceptance_inputs(seed, r, k, v=10):
+    rng = np.random.default_rng(seed)
+    target_argmax = rng.integers(0, v, (r, k + 1)).astype(np.int32)
+    recovered = rng.integers(0, v, (r, k + 1)).astype(np.int32)
+    num_drafts = rng.integers(0, k + 1, r).astype(np.int32)
+    draft_ids = np.where(rng.random((r, k)) < 0.6, target_argmax[:, :k], rng.integers(-2, v + 2, (r, k)))
+    valid = (draft_ids >= 0) & (draft_ids < v) & (np.arange(k)[None, :] < num_drafts[:, None])
+    valid &= rng.random((r, k)) < 0.95  # some in-range drafts flagged invalid too
+    draft_ids = np.where(valid | (rng.random((r, k)) < 0.5), draft_ids, -1).astype(np.int32)
+    p_d = np.where(rng.random((r, k)) < 0.1, 0.0, rng.random((r, k))).astype(np.float32)
+    q_d = rng.random((r, k)).astype(np.float32) + 1e-3
+    uniforms = rng.random((r, k)).astype(np.float32)
+    is_greedy = rng.random(r) < 0.5
+    return draft_ids, valid, p_d, q_d, uniforms, is_greedy, target_argmax, recovered, num_drafts
+
+
+def np_acceptance(draft_ids, valid, p_d, q_d, uniforms, is_greedy, target_argmax, recovered, num_drafts):
+    r, k = draft_ids.shape
+    out = np.full((r, k + 1), -1, np.int32)
+    n_acc = np.zeros(r, np.int32)
+    for i in range(r):
+        j = 0
+        while j < num_drafts[i] and valid[i, j] and (
+                draft_ids[i, j] == target_argmax[i, j] if is_greedy[i]
+                else uniforms[i, j] * q_d[i, j] < p_d[i, j]):
+            out[i, j] = draft_ids[i, j]
+            j += 1
+        out[i, j] = target_argmax[i, j] if is_greedy[i] else recovered[i, j]
+        n_acc[i] = j
+    return out, n_acc
+
+
+@SETTINGS
+@given(seed=st.integers(0, 2**31 - 1), shape=st.sampled_from([(7, 3, None), (130, 3, 16), (33, 0, None)]))
+def test_acceptance_kernel_matches_reference(seed, shape):
+    r, k, block_rows = shape  # 130 rows with 16-row blocks: several programs and a padded tail block
+    args = acceptance_inputs(seed, r, k)
+    out, n_acc = acceptance(*map(jnp.asarray, args), block_rows=block_rows)
+    ref_out, ref_n = jax.jit(acceptance_reference)(*map(jnp.asarray, args))
+    np_out, np_n = np_acceptance(*args)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(ref_out))
+    np.testing.assert_array_equal(np.asarray(n_acc), np.asarray(ref_n))
+    np.testing.assert_array_equal(np.asarray(out), np_out)
+    np.testing.assert_array_equal(np.asarray(n_acc), np_n)
+
+
+def test_acceptance_kernel_jit_and_edge_rows():
+    # row 0: all accepted (greedy) -> bonus; row 1: first rejected (random, p=0); row 2: num_drafts=0
+    k = 3
+    draft_ids = jnp.array([[4, 5, 6], [1, 2, 3], [7, 7, 7]], jnp.int32)
+    valid = jnp.array([[1, 1, 1], [1, 1, 1], [0, 0, 0]], bool)
+    p_d = jnp.array([[0, 0, 0], [0, 1, 1], [1, 1, 1]], jnp.float32)
+    q_d = jnp.ones((3, k), jnp.float32)
+    u = jnp.full((3, k), 0.5, jnp.float32)
+    greedy = jnp.array([True, False, False])
+    am = jnp.array([[4, 5, 6, 9], [0, 0, 0, 0], [0, 0, 0, 0]], jnp.int32)
+    rec = jnp.array([[8, 8, 8, 8], [3, 3, 3, 3], [2, 1, 1, 1]], jnp.int32)
+    nd = jnp.array([3, 3, 0], jnp.int32)
+    out, n_acc = jax.jit(acceptance)(draft_ids, valid, p_d, q_d, u, greedy, am, rec, nd)
+    np.testing.assert_array_equal(np.asarray(out), [[4, 5, 6, 9], [3, -1, -1, -1], [2, -1, -1, -1]])
+    np.testing.assert_array_equal(np.asarray(n_acc), [3, 0, 0])
+
+
+def slot_inputs(seed, t, r, mb, block_size):
+    rng = np.random.default_rng(seed)
+    num_blocks = 50
+    block_tables = rng.integers(0, num_blocks, (r, mb)).astype(np.int32)
+    block_tables[rng.random((r, mb)) < 0.1] = -1  # unallocated entries
+    positions = rng.integers(-3, mb * block_size + 8, t).astype(np.int32)  # some beyond the table
+    row_of_token = rng.integers(-1, r + 1, t).astype(np.int32)  # some rows out of range
+    valid = rng.random(t) < 0.8
+    return positions, row_of_token, valid, block_tables, block_size, num_blocks * block_size
+
+
+def np_slots(positions, row_of_token, valid, block_tables, block_size, num_slots):
+    r, mb = block_tables.shape
+    out = np.full(positions.shape, num_slots, np.int32)
+    for i, (p, row, ok) in enumerate(zip(positions, row_of_token, valid)):
+        if ok and p >= 0 and 0 <= row < r and p // block_size < mb and block_tables[row, p // block_size] >= 0:
+            out[i] = block_tables[row, p // block_size] * block_size + p % block_size
+    return out
+
+
+@SETTINGS
+@given(seed=st.integers(0, 2**31 - 1),
+       shape=st.sampled_from([(1, 1, 3, 4, None), (13, 5, 3, 16, None), (300, 5, 8, 4, 64)]))
+def test_slot_mapping_kernel_matches_reference(seed, shape):
+    t, r, mb, block_size, block_tokens = shape  # 300 tokens in 64-token blocks: padded tail block
+    pos, row, valid, bt, bs, ns = slot_inputs(seed, t, r, mb, block_size)
+    got = slot_mapping(jnp.asarray(pos), jnp.asarray(row), jnp.asarray(valid), jnp.asarray(bt), bs, ns,
+                       block_tokens=block_tokens)
+    ref = jax.jit(slot_mapping_reference, static_argnums=(4, 5))(jnp.asarray(pos), jnp.asarray(row), jnp.asarray(valid), jnp.asarray(bt), bs, ns)
+    want = np_slots(pos, row, valid, bt, bs, ns)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
+    np.testing.assert_array_equal(np.asarray(got), want)
+    assert (np.asarray(got) <= ns).all()
+
+
+def test_slot_mapping_sentinel_is_dropped_by_kv_write():
+    bt = jnp.array([[2, 0], [1, -1]], jnp.int32)
+    pos = jnp.array([0, 3, 4, 1, 2, 5, 0], jnp.int32)
+    row = jnp.array([0, 0, 0, 1, 1, 1, 0], jnp.int32)
+    valid = jnp.array([1, 1, 1, 1, 1, 1, 0], bool)
+    slots = jax.jit(slot_mapping, static_argnums=(4, 5))(pos, row, valid, bt, 4, 12)
+    np.testing.assert_array_equal(np.asarray(slots), [8, 11, 0, 5, 6, 12, 12])
+    kv = jnp.zeros((12,), jnp.int32).at[slots].set(jnp.arange(1, 8), mode="drop")
+    np.testing.assert_array_equal(np.asarray(kv), [3, 0, 0, 0, 0, 4, 5, 0, 1, 0, 0, 2])
