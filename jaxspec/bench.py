@@ -89,17 +89,16 @@ def decode_bytes(engine, batch: int, context: int) -> int:
 def device_step_time(engine, num_tokens: int, repeats: int = 20) -> float:
     """Seconds one compiled step of this token bucket takes on the device, steps issued back to back."""
     import jax
-    import jax.numpy as jnp
-    from jaxspec.decode.state import StepInputs, empty_inputs
+    from jaxspec.decode.state import empty_inputs, pack_inputs
     T = engine._bucket(num_tokens)
-    h = empty_inputs(T, min(T, engine.config.max_num_seqs), engine.step_config)
-    inputs = StepInputs(**{k: jnp.array(v) for k, v in h.items()})
+    buf = jax.device_put(pack_inputs(empty_inputs(T, engine._rows_for(T), engine.step_config)))
+    fn = engine._steps[T]
     for _ in range(3):
-        engine.state, out = engine._step(engine.params, engine.drafter_params, engine.state, inputs)
+        engine.state, out = fn(engine.params, engine.drafter_params, engine.state, buf)
     jax.block_until_ready(out["tokens"])
     t0 = time.perf_counter()
     for _ in range(repeats):
-        engine.state, out = engine._step(engine.params, engine.drafter_params, engine.state, inputs)
+        engine.state, out = fn(engine.params, engine.drafter_params, engine.state, buf)
     jax.block_until_ready(out["tokens"])
     return (time.perf_counter() - t0) / repeats
 

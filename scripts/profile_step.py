@@ -8,10 +8,9 @@ import glob
 import time
 
 import jax
-import jax.numpy as jnp
 
 from jaxspec.bench import decode_bytes, device_step_time
-from jaxspec.decode.state import StepInputs, empty_inputs
+from jaxspec.decode.state import empty_inputs, pack_inputs
 from jaxspec.models.random import random_model
 from jaxspec.sched.engine import Engine, EngineConfig
 
@@ -55,11 +54,10 @@ def main():
         bound = decode_bytes(engine, b, a.max_model_len // 2) / 2.98e12
         rows.append((b, engine._bucket(b), 1e3 * step_s, 1e3 * bound))
         T = engine._bucket(b)
-        h = empty_inputs(T, min(T, engine.config.max_num_seqs), engine.step_config)
-        inputs = StepInputs(**{k: jnp.array(v) for k, v in h.items()})
+        buf = jax.device_put(pack_inputs(empty_inputs(T, engine._rows_for(T), engine.step_config)))
         with jax.profiler.trace(f"{a.trace_dir}/b{b}"):
             for _ in range(5):
-                engine.state, out = engine._step(engine.params, None, engine.state, inputs)
+                engine.state, out = engine._steps[T](engine.params, None, engine.state, buf)
             jax.block_until_ready(out["tokens"])
         print(f"--- batch {b} (T={T})")
         try:

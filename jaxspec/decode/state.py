@@ -76,6 +76,24 @@ def init_state(model_config, step_config: StepConfig, dtype, drafter_state=None)
     )
 
 
+def pack_inputs(h: dict[str, np.ndarray]) -> np.ndarray:
+    """All of one step's host inputs in one int32 buffer (floats bit-cast): a single transfer per step."""
+    return np.concatenate([h["tokens"].ravel(), h["rows"].ravel(), h["rows_f"].view(np.int32).ravel(),
+                           h["stop_ids"].ravel(), h["block_tables"].ravel()])
+
+
+def unpack_inputs(buf, num_tokens: int, num_rows: int, max_blocks: int) -> StepInputs:
+    """Inverse of `pack_inputs`, inside the jitted step (the sizes are static per bucket)."""
+    import jax
+    T, R = num_tokens, num_rows
+    sizes = [3 * T, NUM_ROW_INTS * R, NUM_ROW_FLOATS * R, R * MAX_STOP_IDS, R * max_blocks]
+    offsets = np.cumsum([0] + sizes)
+    part = [buf[offsets[i]:offsets[i + 1]] for i in range(len(sizes))]
+    return StepInputs(tokens=part[0].reshape(3, T), rows=part[1].reshape(NUM_ROW_INTS, R),
+                      rows_f=jax.lax.bitcast_convert_type(part[2], jnp.float32).reshape(NUM_ROW_FLOATS, R),
+                      stop_ids=part[3].reshape(R, MAX_STOP_IDS), block_tables=part[4].reshape(R, max_blocks))
+
+
 def empty_inputs(num_tokens: int, num_rows: int, step_config: StepConfig) -> dict[str, np.ndarray]:
     """Fresh host arrays for one step: every row padding (trash slot), every token padding."""
     tokens = np.zeros((3, num_tokens), np.int32)

@@ -9,7 +9,6 @@ step before it knows the previous step's accepted tokens.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
 import jax
@@ -18,7 +17,7 @@ import jax.numpy as jnp
 from jaxspec.decode import sampling
 from jaxspec.decode.rejection import rejection_sample
 from jaxspec.decode.state import (
-    DecodeState, StepConfig, StepInputs, ROW_SLOT, ROW_NUM_NEW, ROW_START, ROW_NUM_DRAFTS, ROW_FIRST_TOKEN,
+    DecodeState, StepConfig, StepInputs, unpack_inputs, ROW_SLOT, ROW_NUM_NEW, ROW_START, ROW_NUM_DRAFTS, ROW_FIRST_TOKEN,
     ROW_SAMPLE, ROW_PROMPT_LEN, ROW_SEED, ROW_TOP_K, ROW_MIN_TOKENS, ROW_LOGPROBS, ROW_TEMPERATURE, ROW_TOP_P,
     ROW_MIN_P, ROW_PRESENCE, ROW_FREQUENCY, ROW_REPETITION)
 from jaxspec.models.llama import ForwardBatch, forward
@@ -153,7 +152,8 @@ def step(model_config, step_config: StepConfig, drafter, params, drafter_params,
     write = sample_rows[:, None] & (j <= num_accepted[:, None])
     history = history.at[slot[:, None], jnp.where(write, base[:, None] + j, H)].set(emitted, mode="drop")
 
-    out = {"tokens": emitted, "num_accepted": num_accepted}
+    # One array back to the host per step: emitted tokens and the accepted count in the last column.
+    out = {"tokens": jnp.concatenate([emitted, num_accepted[:, None]], axis=1)}
     want_logprobs = jnp.any(rows[ROW_LOGPROBS] > 0)
     out.update(jax.lax.cond(
         want_logprobs, lambda: _logprobs(raw_logits, emitted), lambda: _no_logprobs(R, K + 1)))
@@ -193,7 +193,10 @@ def _no_logprobs(R, K1):
             "top_logprobs": jnp.zeros((R, K1, MAX_LOGPROBS), jnp.float32)}
 
 
-def make_step(model_config, step_config: StepConfig, drafter=None):
-    """The jitted step with the state donated (the KV pool is updated in place)."""
-    fn = functools.partial(step, model_config, step_config, drafter)
-    return jax.jit(fn, donate_argnums=(2,))
+def make_step(model_config, step_config: StepConfig, drafter, num_tokens: int, num_rows: int):
+    """The jitted step of one bucket, taking the packed host buffer; the state is donated (the KV pool
+    is updated in place)."""
+    def packed_step(params, drafter_params, state, buf):
+        inp = unpack_inputs(buf, num_tokens, num_rows, step_config.max_blocks_per_seq)
+        return step(model_config, step_config, drafter, params, drafter_params, state, inp)
+    return jax.jit(packed_step, donate_argnums=(2,))

@@ -17,8 +17,8 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxspec.decode.state import (
-    MAX_STOP_IDS, ROW_FIRST_TOKEN, ROW_LOGPROBS, ROW_MIN_TOKENS, ROW_NUM_DRAFTS, ROW_NUM_NEW, ROW_PROMPT_LEN,
-    ROW_SAMPLE, ROW_SEED, ROW_SLOT, ROW_START, ROW_TOP_K, StepConfig, StepInputs, empty_inputs, init_state)
+    ROW_FIRST_TOKEN, ROW_LOGPROBS, ROW_MIN_TOKENS, ROW_NUM_DRAFTS, ROW_NUM_NEW, ROW_PROMPT_LEN, ROW_SAMPLE,
+    ROW_SEED, ROW_SLOT, ROW_START, ROW_TOP_K, MAX_STOP_IDS, StepConfig, empty_inputs, init_state, pack_inputs)
 from jaxspec.decode.step import make_step
 from jaxspec.models.llama import unstack_layers
 from jaxspec.sampling_params import SamplingParams
@@ -86,9 +86,9 @@ class Engine:
         self.drafter, self.drafter_params = drafter, drafter_params
         drafter_state = drafter.init_state(self.step_config, dtype) if drafter is not None else None
         self.state = init_state(mc, self.step_config, dtype, drafter_state)
-        self._step = make_step(mc, self.step_config, drafter)
         cap = max(config.max_num_batched_tokens, MIN_TOKEN_BUCKET)
         self.token_buckets = [b for b in (MIN_TOKEN_BUCKET << i for i in range(32)) if b < cap] + [cap]
+        self._steps = {T: make_step(mc, self.step_config, drafter, T, self._rows_for(T)) for T in self.token_buckets}
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._rng = np.random.default_rng(config.seed)
@@ -178,11 +178,21 @@ class Engine:
     def _bucket(self, num_tokens: int) -> int:
         return next(b for b in self.token_buckets if b >= num_tokens)
 
+    def _rows_for(self, num_tokens: int) -> int:
+        return min(num_tokens, self.config.max_num_seqs)  # a step has at most one row per token
+
+    def _run_step(self, T: int, host_inputs: dict[str, np.ndarray]) -> dict:
+        # One transfer; may_alias=False: the device never reads the host buffer after this call, so
+        # nothing the host does to it later can reach the step.
+        buf = jax.device_put(pack_inputs(host_inputs), may_alias=False)
+        self.state, out = self._steps[T](self.params, self.drafter_params, self.state, buf)
+        return out
+
     def _dispatch(self, rows: list[ScheduledRow]) -> _InFlight:
         sc = self.step_config
         num_tokens = sum(r.num_new for r in rows)
         T = self._bucket(num_tokens)
-        h = empty_inputs(T, min(T, self.config.max_num_seqs), sc)
+        h = empty_inputs(T, self._rows_for(T), sc)
         tokens, ri, rf = h["tokens"], h["rows"], h["rows_f"]
         t = 0
         want_logprobs = False
@@ -205,10 +215,8 @@ class Engine:
             h["block_tables"][r, :len(req.block_ids)] = req.block_ids
             want_logprobs |= p.logprobs is not None
             t += n
-        # Fresh device copies: nothing the host does to these numpy buffers later can reach the step.
-        inputs = StepInputs(**{k: jnp.array(v, copy=True) for k, v in h.items()})
-        self.state, out = self._step(self.params, self.drafter_params, self.state, inputs)
-        for name in ("tokens", "num_accepted") + (("logprob", "top_ids", "top_logprobs") if want_logprobs else ()):
+        out = self._run_step(T, h)
+        for name in ("tokens",) + (("logprob", "top_ids", "top_logprobs") if want_logprobs else ()):
             out[name].copy_to_host_async()
         self.counters["steps"] += 1
         self.counters["busy_rows"] += len(rows)
@@ -217,8 +225,8 @@ class Engine:
         return _InFlight(rows, out, want_logprobs, time.perf_counter())
 
     def _process(self, rec: _InFlight) -> list[Request]:
-        tokens = np.asarray(rec.out["tokens"])
-        accepted = np.asarray(rec.out["num_accepted"])
+        tokens = np.asarray(rec.out["tokens"])         # [R, K+2]: emitted tokens, then the accepted count
+        accepted = tokens[:, -1]
         lp = {k: np.asarray(rec.out[k]) for k in ("logprob", "top_ids", "top_logprobs")} if rec.want_logprobs else None
         updated = []
         for r, row in enumerate(rec.rows):
@@ -263,14 +271,12 @@ class Engine:
         """Compile the step for every token bucket (all-padding inputs touch only the trash slot)."""
         sc = self.step_config
         for T in tqdm(self.token_buckets, desc="compiling step buckets", leave=False):
-            h = empty_inputs(T, min(T, self.config.max_num_seqs), sc)
-            inputs = StepInputs(**{k: jnp.array(v) for k, v in h.items()})
-            self.state, out = self._step(self.params, self.drafter_params, self.state, inputs)
+            self._run_step(T, empty_inputs(T, self._rows_for(T), sc))
         jax.block_until_ready(self.state.num_tokens)
         self._compiled_at_warmup = self.num_compiled()
 
     def num_compiled(self) -> int:
-        return self._step._cache_size()
+        return sum(f._cache_size() for f in self._steps.values())
 
     def stats(self) -> dict:
         c = self.counters
