@@ -5,8 +5,11 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # A per-session persistent compilation cache: engines whose steps differ only in params or in async/sync
 # scheduling (many of tests/test_spec.py) compile once.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    import atexit
+    import shutil
     import tempfile
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxspec-test-jit-")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 

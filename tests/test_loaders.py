@@ -17,8 +17,8 @@ from jaxspec.models.checkpoint import load_checkpoint, restore_params, save_para
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.errors import (ChecksumMismatchError, CorruptModelFileError, PresetPackageMissingError,
                                    UnknownPresetError, UnsupportedModelError)
-from jaxspec.models.gguf_loader import (SUPPORTED_TYPES, config_from_gguf, dequantize_tensor, load_gguf, open_gguf,
-                                        permute_rows, unpermute_rows)
+from jaxspec.models.gguf_loader import (SUPPORTED_TYPES, GGUFFile, config_from_gguf, dequantize_tensor, load_gguf,
+                                        open_gguf, permute_rows, unpermute_rows)
 from jaxspec.models.hf_loader import load_hf_dir
 from jaxspec.models.weights import hf_tensor_names, param_shapes, resolve_dtype
 
@@ -49,41 +49,125 @@ def assert_params_match_state(params, config, state):
 QUANT_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
 
 
+@pytest.mark.parametrize("backend", ["jax", "numpy"])
 @pytest.mark.parametrize("qtype", QUANT_TYPES, ids=lambda q: q.name)
-def test_dequantize_matches_block_definition(tmp_path, qtype):
+def test_dequantize_matches_block_definition(tmp_path, qtype, backend):
     rng = np.random.default_rng(int(qtype))
     rows, cols = 3, 512
     block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
     blocks = random_blocks(qtype, rows * cols // block_size, rng)
     path = write_gguf(tmp_path / "q.gguf", "llama", {"w": (blocks.reshape(rows, -1), qtype)})
     (tensor,) = open_gguf(path).tensors
-    got = dequantize_tensor(tensor)
+    got = dequantize_tensor(tensor, backend=backend)
     want = np.array([v for b in blocks for v in reference_dequantize_block(qtype, b.tobytes())], np.float32)
     assert got.shape == (rows, cols) and got.dtype == np.float32
     np.testing.assert_allclose(got.ravel(), want, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("qtype", QUANT_TYPES + [Q.F32, Q.F16, Q.BF16], ids=lambda q: q.name)
+def test_jax_dequantize_matches_numpy(tmp_path, qtype):
+    """The JAX path against the `gguf` numpy path on many random blocks (all bit patterns of the quants,
+    finite f16 scales), in float32 and bfloat16, for two tensors of one shape (one compile) and another shape."""
+    rng = np.random.default_rng(100 + int(qtype))
+    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    shapes = {"a": (16, 1024), "b": (16, 1024), "c": (3, 256)}
+    tensors = {}
+    for name, (rows, cols) in shapes.items():
+        if qtype in QUANT_TYPES:
+            raw = random_blocks(qtype, rows * cols // block_size, rng).reshape(rows, -1)
+            tensors[name] = (raw, qtype)
+        else:
+            values = (rng.standard_normal((rows, cols)) * 10.0 ** rng.integers(-3, 3, (rows, 1))).astype(np.float32)
+            if qtype == Q.F32:
+                tensors[name] = (values, None)
+            elif qtype == Q.F16:
+                tensors[name] = (values.astype(np.float16), None)
+            else:
+                tensors[name] = (values.astype(ml_dtypes.bfloat16).view(np.uint8), Q.BF16)
+    path = write_gguf(tmp_path / "q.gguf", "llama", tensors)
+    for tensor in open_gguf(path).tensors:
+        assert tensor.tensor_type == qtype
+        want = dequantize_tensor(tensor, backend="numpy")
+        got = dequantize_tensor(tensor, backend="jax")
+        assert got.shape == want.shape == shapes[tensor.name] and got.dtype == np.float32
+        assert np.isfinite(want).all() and np.abs(want).max() > 0
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+        got16 = dequantize_tensor(tensor, backend="jax", dtype="bfloat16")
+        assert got16.dtype == ml_dtypes.bfloat16 and got16.shape == want.shape
+        np.testing.assert_array_equal(got16.astype(np.float32), got.astype(ml_dtypes.bfloat16).astype(np.float32))
+
+
+def test_dequantize_rejects_unknown_backend(tmp_path):
+    path = write_gguf(tmp_path / "f.gguf", "llama", {"a": (np.ones((2, 4), np.float32), None)})
+    with pytest.raises(ValueError, match="unknown dequantization backend 'torch'"):
+        dequantize_tensor(open_gguf(path).tensors[0], backend="torch")
+
+
+@pytest.mark.parametrize("backend", ["jax", "numpy"])
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q8_0], ids=lambda q: q.name)
-def test_quantize_dequantize_round_trip_is_within_a_step(tmp_path, qtype):
+def test_quantize_dequantize_round_trip_is_within_a_step(tmp_path, qtype, backend):
     data = np.random.default_rng(0).standard_normal((4, 64)).astype(np.float32)
     path = write_gguf(tmp_path / "q.gguf", "llama", {"w": (gguf.quants.quantize(data, qtype), qtype)})
-    got = dequantize_tensor(open_gguf(path).tensors[0])
+    got = dequantize_tensor(open_gguf(path).tensors[0], backend=backend)
     step = np.abs(data).reshape(4, 2, 32).max(-1, keepdims=True) / (7 if qtype == Q.Q4_0 else 127)
     assert np.all(np.abs(got.reshape(4, 2, 32) - data.reshape(4, 2, 32)) <= step + 1e-6)
 
 
-def test_float_types_are_exact(tmp_path):
+@pytest.mark.parametrize("backend", ["jax", "numpy"])
+def test_float_types_are_exact(tmp_path, backend):
     rng = np.random.default_rng(1)
     w32 = rng.standard_normal((3, 8)).astype(np.float32)
     w16 = w32.astype(np.float16)
     wbf = w32.astype(ml_dtypes.bfloat16)
     path = write_gguf(tmp_path / "f.gguf", "llama", {
         "a": (w32, None), "b": (w16, None), "c": (wbf.view(np.uint8), Q.BF16)})
-    got = {t.name: dequantize_tensor(t) for t in open_gguf(path).tensors}
+    got = {t.name: dequantize_tensor(t, backend=backend) for t in open_gguf(path).tensors}
     np.testing.assert_array_equal(got["a"], w32)
     np.testing.assert_array_equal(got["b"], w16.astype(np.float32))
     np.testing.assert_array_equal(got["c"], wbf.astype(np.float32))
     assert got["c"].shape == (3, 8)
+
+
+def test_dequantize_accepts_gguf_reader_tensors(tmp_path):
+    rng = np.random.default_rng(2)
+    blocks = random_blocks(Q.Q6_K, 4, rng).reshape(2, -1)
+    path = write_gguf(tmp_path / "q.gguf", "llama", {"w": (blocks, Q.Q6_K)})
+    (theirs,) = gguf.GGUFReader(path).tensors
+    (ours,) = open_gguf(path).tensors
+    np.testing.assert_array_equal(dequantize_tensor(theirs), dequantize_tensor(ours))
+    np.testing.assert_array_equal(dequantize_tensor(theirs, backend="numpy"), dequantize_tensor(ours))
+
+
+def assert_same_as_gguf_reader(path):
+    ours, theirs = GGUFFile(path), gguf.GGUFReader(path)
+    assert set(ours.fields) == {k for k in theirs.fields if not k.startswith("GGUF.")}
+    for key, field in ours.fields.items():
+        assert field.contents() == theirs.fields[key].contents(), key
+    assert len(ours.tensors) == len(theirs.tensors)
+    for a, b in zip(ours.tensors, theirs.tensors):
+        assert (a.name, a.tensor_type, a.n_elements, a.n_bytes, a.data_offset) == \
+            (b.name, b.tensor_type, b.n_elements, b.n_bytes, b.data_offset)
+        np.testing.assert_array_equal(a.shape, b.shape)
+        assert a.data.tobytes() == b.data.tobytes()
+
+
+def test_light_gguf_reader_matches_gguf_reader(tmp_path):
+    meta = {"llama.block_count": 3, "llama.rope.freq_base": 10000.0, "general.name": "tïny 模型", "x.flag": True,
+            "tokenizer.ggml.tokens": ["<s>", "", "ünï", "a b"] * 50, "tokenizer.ggml.scores": [0.5, -1.0, 2.0],
+            "tokenizer.ggml.token_type": [1, 2, 3]}
+    rng = np.random.default_rng(3)
+    tensors = {"a": (rng.standard_normal((3, 5)).astype(np.float32), None),
+               "b": (random_blocks(Q.Q4_K, 2, rng).reshape(1, -1), Q.Q4_K),
+               "c": (rng.standard_normal(7).astype(np.float16), None)}
+    path = write_gguf(tmp_path / "m.gguf", "llama", tensors, meta)
+    assert_same_as_gguf_reader(path)
+    reader = open_gguf(path)
+    assert len(reader.get_field("tokenizer.ggml.tokens")) == 200 and reader.get_field("nope") is None
+    assert reader.get_field("general.name").contents() == "tïny 模型"
+
+
+def test_light_gguf_reader_matches_on_smollm2(smollm2_gguf_path):
+    assert_same_as_gguf_reader(smollm2_gguf_path)
 
 
 def test_unsupported_quant_type_names_tensor_and_type(tmp_path):

@@ -1,8 +1,10 @@
 """Load a llama / qwen2 / qwen3 GGUF file (llama.cpp format) into a `Model`.
 
-Tensors are dequantized to float32 on the host with the `gguf` package, renamed to their HF names,
-and handed to `params_from_hf_tensors`. The tokenizer is rebuilt from the GGUF vocabulary by
-transformers; the chat template and bos/eos ids come from the GGUF metadata.
+The header is parsed by `GGUFFile` (a light reader that skips over the vocabulary arrays instead of
+building a numpy view per token, as `gguf.GGUFReader` does); tensors are dequantized from their raw
+block bytes by jit-compiled JAX code (`jaxspec.models.dequant`) into the target dtype, one tensor at a
+time, renamed to their HF names and handed to `params_from_hf_tensors`. The tokenizer is rebuilt from
+the GGUF vocabulary by transformers; the chat template and bos/eos ids come from the GGUF metadata.
 """
 from __future__ import annotations
 
@@ -11,15 +13,17 @@ import hashlib
 import os
 import re
 import shutil
+import struct
 from pathlib import Path
 
 import gguf
 import numpy as np
 
+from jaxspec.models import dequant
 from jaxspec.models.config import ARCHITECTURES, ModelConfig
 from jaxspec.models.errors import CorruptModelFileError, UnsupportedModelError
 from jaxspec.models.model import Model
-from jaxspec.models.weights import params_from_hf_tensors, resolve_dtype
+from jaxspec.models.weights import DTYPES, params_from_hf_tensors, resolve_dtype
 
 Q = gguf.GGMLQuantizationType
 SUPPORTED_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)
@@ -70,7 +74,7 @@ def permute_rows(weight: np.ndarray, n_heads: int) -> np.ndarray:
     return weight.reshape(n_heads, 2, head_dim // 2, *rest).swapaxes(1, 2).reshape(weight.shape)
 
 
-def check_supported(tensor: gguf.ReaderTensor) -> None:
+def check_supported(tensor) -> None:
     """UnsupportedModelError naming the tensor and its type unless jaxspec can dequantize it."""
     if tensor.tensor_type not in SUPPORTED_TYPES:
         raise UnsupportedModelError(
@@ -78,16 +82,154 @@ def check_supported(tensor: gguf.ReaderTensor) -> None:
             f"{', '.join(t.name for t in SUPPORTED_TYPES)}")
 
 
-def dequantize_tensor(tensor: gguf.ReaderTensor) -> np.ndarray:
-    """Float32 values of a GGUF tensor in numpy order (HF [out, in] for a weight matrix)."""
+def dequantize_tensor(tensor, backend: str = "jax", dtype="float32") -> np.ndarray:
+    """Values of a GGUF tensor (a `GGUFTensor` or a `gguf.ReaderTensor`) in numpy order (HF [out, in]
+    for a weight matrix), as a host array of `dtype` ('float32' or 'bfloat16').
+
+    backend="jax" dequantizes the raw blocks with jit-compiled JAX code on JAX's default backend;
+    backend="numpy" uses the `gguf` package's numpy code (slow; kept as the reference path).
+    """
     check_supported(tensor)
     shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
-    values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-    return np.asarray(values, np.float32).reshape(shape)
+    np_dtype = DTYPES[resolve_dtype(dtype)]
+    if backend == "jax":
+        return dequant.dequantize_raw(tensor.data, tensor.tensor_type, shape, np.dtype(np_dtype).name)
+    if backend == "numpy":
+        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        return np.asarray(values, np.float32).reshape(shape).astype(np_dtype, copy=False)
+    raise ValueError(f"unknown dequantization backend {backend!r}; expected 'jax' or 'numpy'")
 
 
-def open_gguf(path: str | os.PathLike) -> gguf.GGUFReader:
-    """A `GGUFReader` over `path`; FileNotFoundError if absent, CorruptModelFileError if truncated or not GGUF."""
+# ---------------------------------------------------------------- a light GGUF header reader
+
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_SCALAR_DTYPES = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32,
+                  7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
+_STRING, _ARRAY = 8, 9
+
+
+@dataclasses.dataclass(frozen=True)
+class GGUFField:
+    """One metadata value; arrays are decoded only when `contents()` is called."""
+    name: str
+    value_type: int
+    value: object = None  # scalars and strings
+    sub_type: int | None = None  # arrays: element type, count and where the elements start
+    count: int = 0
+    offset: int = 0
+    buf: object = None
+
+    def __len__(self) -> int:
+        return self.count if self.value_type == _ARRAY else 1
+
+    def contents(self):
+        """The value as GGUFReader's `ReaderField.contents()` gives it: a python scalar, str, or list."""
+        if self.value_type != _ARRAY:
+            return self.value
+        if self.sub_type == _STRING:
+            out, pos = [], self.offset
+            for _ in range(self.count):
+                (n,) = struct.unpack_from("<Q", self.buf, pos)
+                out.append(bytes(self.buf[pos + 8:pos + 8 + n]).decode("utf-8"))
+                pos += 8 + n
+            return out
+        if self.sub_type in _SCALAR_DTYPES:
+            return np.frombuffer(self.buf, _SCALAR_DTYPES[self.sub_type], self.count, self.offset).tolist()
+        raise CorruptModelFileError(f"GGUF array field {self.name!r} has nested arrays (not supported)")
+
+
+@dataclasses.dataclass(frozen=True)
+class GGUFTensor:
+    """A tensor's header entry, with the same attribute names as `gguf.ReaderTensor`."""
+    name: str
+    tensor_type: gguf.GGMLQuantizationType
+    shape: np.ndarray  # GGUF (reversed) order, like ReaderTensor.shape
+    n_elements: int
+    n_bytes: int
+    data_offset: int
+    data: np.ndarray  # the raw bytes, uint8, a view of the file map
+
+
+class GGUFFile:
+    """A little-endian GGUF v2/v3 file: `fields` (name -> GGUFField), `tensors` (list of GGUFTensor).
+
+    Unlike `gguf.GGUFReader` it does not build per-element views of metadata arrays; a 151k-token
+    vocabulary is stepped over (one length read per string) and decoded only on request.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
+        buf = memoryview(self._map)
+        pos = 0
+
+        def unpack(fmt):
+            nonlocal pos
+            values = struct.unpack_from(fmt, buf, pos)
+            pos += struct.calcsize(fmt)
+            return values[0] if len(values) == 1 else values
+
+        def string():
+            nonlocal pos
+            n = unpack("<Q")
+            if pos + n > len(buf):
+                raise ValueError(f"string of {n} bytes at offset {pos} runs past the end of the file")
+            pos += n
+            return bytes(buf[pos - n:pos]).decode("utf-8")
+
+        magic, version, n_tensors, n_kv = unpack("<4sIQQ")
+        if magic != b"GGUF" or version not in (2, 3):
+            raise ValueError(f"not a little-endian GGUF v2/v3 file (magic {magic!r}, version {version})")
+        self.fields: dict[str, GGUFField] = {}
+        for _ in range(n_kv):
+            key = string()
+            vtype = unpack("<I")
+            if vtype == _STRING:
+                self.fields[key] = GGUFField(key, vtype, string())
+            elif vtype in _SCALARS:
+                self.fields[key] = GGUFField(key, vtype, unpack(_SCALARS[vtype]))
+            elif vtype == _ARRAY:
+                sub, count = unpack("<IQ")
+                start = pos
+                if sub == _STRING:
+                    for _ in range(count):
+                        pos += 8 + unpack("<Q")
+                elif sub in _SCALARS:
+                    pos += count * struct.calcsize(_SCALARS[sub])
+                else:
+                    raise ValueError(f"field {key!r} is an array of type {sub} (not supported)")
+                if pos > len(buf):
+                    raise ValueError(f"array field {key!r} runs past the end of the file")
+                self.fields[key] = GGUFField(key, vtype, None, sub, count, start, buf)
+            else:
+                raise ValueError(f"field {key!r} has unknown value type {vtype}")
+        infos = []
+        for _ in range(n_tensors):
+            name = string()
+            n_dims = unpack("<I")
+            dims = unpack(f"<{n_dims}Q") if n_dims else ()
+            dims = (dims,) if isinstance(dims, int) else dims
+            ttype, offset = unpack("<IQ")
+            infos.append((name, dims, ttype, offset))
+        align_field = self.fields.get("general.alignment")
+        alignment = int(align_field.value) if align_field is not None else 32
+        data_start = -(-pos // alignment) * alignment
+        self.tensors: list[GGUFTensor] = []
+        for name, dims, ttype, offset in infos:
+            qtype = gguf.GGMLQuantizationType(ttype)
+            block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+            n_elements = int(np.prod(dims, dtype=np.int64)) if dims else 1
+            n_bytes = n_elements // block_size * type_size
+            start = data_start + offset
+            self.tensors.append(GGUFTensor(name, qtype, np.array(dims, np.uint64), n_elements, n_bytes, start,
+                                           self._map[start:start + n_bytes]))
+
+    def get_field(self, key: str) -> GGUFField | None:
+        return self.fields.get(key)
+
+
+def open_gguf(path: str | os.PathLike) -> GGUFFile:
+    """A `GGUFFile` over `path`; FileNotFoundError if absent, CorruptModelFileError if truncated or not GGUF."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {str(path)!r}")
@@ -96,8 +238,8 @@ def open_gguf(path: str | os.PathLike) -> gguf.GGUFReader:
     if magic != b"GGUF":
         raise CorruptModelFileError(f"{str(path)!r} is not a GGUF file (starts with {magic!r}, expected b'GGUF')")
     try:
-        reader = gguf.GGUFReader(path)
-    except Exception as e:  # the reader raises ValueError/IndexError/... on truncated headers
+        reader = GGUFFile(path)
+    except Exception as e:  # struct.error/ValueError/... on truncated or malformed headers
         raise CorruptModelFileError(f"GGUF file {str(path)!r} is truncated or corrupt: {type(e).__name__}: {e}") from e
     size = path.stat().st_size
     for t in reader.tensors:
@@ -108,7 +250,7 @@ def open_gguf(path: str | os.PathLike) -> gguf.GGUFReader:
     return reader
 
 
-def metadata(reader: gguf.GGUFReader, key: str, default=None):
+def metadata(reader, key: str, default=None):
     """The value of a GGUF metadata key (str, number, bool or list), or `default` when absent."""
     field = reader.get_field(key)
     if field is None:
@@ -116,14 +258,14 @@ def metadata(reader: gguf.GGUFReader, key: str, default=None):
     return field.contents()
 
 
-def _require(reader: gguf.GGUFReader, key: str):
+def _require(reader, key: str):
     value = metadata(reader, key)
     if value is None:
         raise CorruptModelFileError(f"GGUF metadata lacks required key {key!r}")
     return value
 
 
-def config_from_gguf(reader: gguf.GGUFReader) -> ModelConfig:
+def config_from_gguf(reader) -> ModelConfig:
     """ModelConfig from the GGUF metadata (and the embedding/output tensors for vocab size and tying)."""
     arch = metadata(reader, "general.architecture")
     if arch not in ARCHITECTURES:
@@ -140,10 +282,11 @@ def config_from_gguf(reader: gguf.GGUFReader) -> ModelConfig:
         raise CorruptModelFileError("GGUF has no token_embd.weight tensor")
     hidden = int(_require(reader, f"{arch}.embedding_length"))
     n_heads = int(_require(reader, f"{arch}.attention.head_count"))
-    tokens = metadata(reader, "tokenizer.ggml.tokens")
+    tokens = reader.get_field("tokenizer.ggml.tokens")
+    n_tokens = None if tokens is None else len(tokens.data) if isinstance(tokens, gguf.ReaderField) else len(tokens)
     vocab_size = int(names["token_embd.weight"].shape[1])  # GGUF dims are reversed: [D, V]
-    if tokens is not None and len(tokens) > vocab_size:
-        raise CorruptModelFileError(f"GGUF token list has {len(tokens)} entries but token_embd has {vocab_size} rows")
+    if n_tokens is not None and n_tokens > vocab_size:
+        raise CorruptModelFileError(f"GGUF token list has {n_tokens} entries but token_embd has {vocab_size} rows")
     eos = metadata(reader, "tokenizer.ggml.eos_token_id")
     return ModelConfig(
         arch=arch,
@@ -163,8 +306,10 @@ def config_from_gguf(reader: gguf.GGUFReader) -> ModelConfig:
     )
 
 
-def params_from_gguf(reader: gguf.GGUFReader, config: ModelConfig, dtype="float32") -> dict:
-    """The params pytree from an open GGUF: every used tensor's type is checked before any is dequantized."""
+def params_from_gguf(reader, config: ModelConfig, dtype="float32", backend: str = "jax") -> dict:
+    """The params pytree from an open GGUF: every used tensor's type is checked before any is dequantized.
+
+    Tensors are dequantized one at a time straight into `dtype` (see `dequantize_tensor` for `backend`)."""
     by_hf_name = {}
     for t in reader.tensors:
         name = hf_name(t.name)
@@ -175,7 +320,7 @@ def params_from_gguf(reader: gguf.GGUFReader, config: ModelConfig, dtype="float3
     permuted = {"self_attn.q_proj": config.num_heads, "self_attn.k_proj": config.num_kv_heads}
 
     def get_tensor(name: str) -> np.ndarray:
-        value = dequantize_tensor(by_hf_name[name])
+        value = dequantize_tensor(by_hf_name[name], backend, dtype)
         if config.arch == "llama":
             for proj, heads in permuted.items():
                 if f".{proj}." in name:
@@ -223,12 +368,12 @@ def hf_tokenizer_from_gguf(path: str | os.PathLike, use_cache: bool = True):
     return hf
 
 
-def tokenizer_from_gguf(path: str | os.PathLike, reader: gguf.GGUFReader, use_cache: bool = True):
+def tokenizer_from_gguf(path: str | os.PathLike, reader, use_cache: bool = True):
     """A jaxspec Tokenizer built by transformers from the GGUF vocabulary, with the GGUF chat template
     and bos/eos ids; None when the GGUF carries no vocabulary."""
     from jaxspec.models.tokenizer import Tokenizer
 
-    if metadata(reader, "tokenizer.ggml.tokens") is None:
+    if reader.get_field("tokenizer.ggml.tokens") is None:
         return None
     hf = hf_tokenizer_from_gguf(path, use_cache)
     eos = metadata(reader, "tokenizer.ggml.eos_token_id")
@@ -237,12 +382,14 @@ def tokenizer_from_gguf(path: str | os.PathLike, reader: gguf.GGUFReader, use_ca
                      eos_token_id=None if eos is None else int(eos), bos_token_id=None if bos is None else int(bos))
 
 
-def load_gguf(path: str | os.PathLike, dtype="bfloat16", with_tokenizer: bool = True) -> Model:
-    """Load a GGUF file (llama, qwen2 or qwen3; types F32/F16/BF16/Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q5_K/Q6_K)."""
+def load_gguf(path: str | os.PathLike, dtype="bfloat16", with_tokenizer: bool = True, backend: str = "jax") -> Model:
+    """Load a GGUF file (llama, qwen2 or qwen3; types F32/F16/BF16/Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q5_K/Q6_K).
+
+    backend: "jax" (default, fast) or "numpy" dequantization (see `dequantize_tensor`)."""
     dtype = resolve_dtype(dtype)
     reader = open_gguf(path)
     config = config_from_gguf(reader)
-    params = params_from_gguf(reader, config, dtype)
+    params = params_from_gguf(reader, config, dtype, backend)
     tokenizer = tokenizer_from_gguf(path, reader) if with_tokenizer else None
     if tokenizer is not None and tokenizer.eos_token_ids:
         eos_ids = tuple(dict.fromkeys((*config.eos_token_ids, *tokenizer.eos_token_ids)))
