@@ -30,3 +30,24 @@ for R, K in [(1, 1), (5, 3), (32, 4), (16, 16)]:
     o2, n2 = acceptance_reference(**args)
     assert np.array_equal(np.asarray(o1), np.asarray(o2)) and np.array_equal(np.asarray(n1), np.asarray(n2)), (R, K)
 print("acceptance kernel == reference")
+
+from jaxspec.models import llama  # noqa: E402
+from jaxspec.pallas.paged_attention import paged_attention  # noqa: E402
+
+for dtype, tol in [(jnp.float32, 2e-3), (jnp.bfloat16, 3e-2)]:
+    for Hkv, G, hd, bs in [(2, 6, 128, 16), (3, 3, 64, 16), (2, 7, 64, 16)]:
+        L, NB, T, R, MB = 3, 64, 37, 5, 8
+        k_pool = jnp.asarray(rng.standard_normal((L, NB * bs, Hkv, hd)), dtype)
+        v_pool = jnp.asarray(rng.standard_normal((L, NB * bs, Hkv, hd)), dtype)
+        q = jnp.asarray(rng.standard_normal((T, Hkv * G, hd)), dtype)
+        tables = rng.permutation(NB)[:R * MB].reshape(R, MB).astype(np.int32)
+        rows = rng.integers(0, R, T).astype(np.int32)
+        pos = rng.integers(0, MB * bs, T).astype(np.int32)
+        batch = llama.ForwardBatch(None, jnp.asarray(pos), None, jnp.asarray(rows), jnp.asarray(tables), None)
+        out = paged_attention(q, k_pool, v_pool, jnp.int32(1), batch.positions, batch.row_of_token,
+                              batch.block_tables, block_size=bs)
+        ref = llama.paged_attention(q.astype(jnp.float32), k_pool.astype(jnp.float32), v_pool.astype(jnp.float32),
+                                    1, batch, bs)
+        err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref)) / jnp.max(jnp.abs(ref)))
+        assert err < tol, (dtype, Hkv, G, hd, err)
+print("paged attention kernel == reference")

@@ -74,13 +74,15 @@ def _attend(q, k, v, mask, scale):
     return o.reshape(q.shape[0], -1)
 
 
-def paged_attention(q, k_cache, v_cache, batch: ForwardBatch, block_size: int):
+def paged_attention(q, k_pool, v_pool, layer, batch: ForwardBatch, block_size: int):
     """Reference paged attention: each token attends to its own row's blocks up to its position.
 
-    q [T, Hq, hd]; k_cache/v_cache [S, Hkv, hd] (this layer, this step's k/v already written).
-    Gathers each token's context [T, MB*bs, Hkv, hd]: fine for tests and small batches; a kernel that reads
-    the pages in place plugs in here (the `attention_fn` argument of `forward`).
+    q [T, Hq, hd]; k_pool/v_pool [L, S, Hkv, hd] (this step's k/v already written); layer: which layer.
+    Gathers each token's context [T, MB*bs, Hkv, hd]: fine for tests and small batches. The Pallas kernel
+    `jaxspec.pallas.paged_attention.paged_attention_fn` reads the pages in place instead (the
+    `attention_fn` argument of `forward`).
     """
+    k_cache, v_cache = k_pool[layer], v_pool[layer]
     T, Hq, hd = q.shape
     Hkv = k_cache.shape[1]
     tables = batch.block_tables[batch.row_of_token]                               # [T, MB]
@@ -123,7 +125,7 @@ def forward(config: ModelConfig, params: dict, kv_cache: dict, batch: ForwardBat
         q, k = apply_rope(q, batch.positions, inv_freq), apply_rope(k, batch.positions, inv_freq)
         k_cache = k_cache.at[i, batch.slot_mapping].set(k.astype(k_cache.dtype), mode="drop")
         v_cache = v_cache.at[i, batch.slot_mapping].set(v.astype(v_cache.dtype), mode="drop")
-        attn = attention_fn(q, k_cache[i], v_cache[i], batch, block_size)          # [T, Hq*hd]
+        attn = attention_fn(q, k_cache, v_cache, i, batch, block_size)            # [T, Hq*hd]
         h = h + (attn.astype(h.dtype) @ lp["o_proj"].T)
         x = rms_norm(h, lp["mlp_norm"], c.rms_norm_eps)
         if "gate_up_proj" in lp:
@@ -189,10 +191,10 @@ def score(config: ModelConfig, params: dict, token_ids):
     hd = config.head_dim
     kv = init_kv_cache(config, 1, T, params["embed"].dtype)
 
-    def dense_attention(q, k_cache, v_cache, batch, block_size):
+    def dense_attention(q, k_pool, v_pool, layer, batch, block_size):
         mask = positions[None, :] <= positions[:, None]                           # causal [T, T]
         q = q.reshape(T, config.num_kv_heads, -1, hd)
-        return _attend(q, k_cache, v_cache, mask, 1.0 / math.sqrt(hd))
+        return _attend(q, k_pool[layer], v_pool[layer], mask, 1.0 / math.sqrt(hd))
 
     batch = ForwardBatch(token_ids, positions, positions, jnp.zeros(T, jnp.int32),
                          jnp.zeros((1, 1), jnp.int32), positions)
