@@ -39,14 +39,16 @@ def _kernel(layer_ref, pos_ref, row_ref, tables_ref, q_ref, k_ref, v_ref, o_ref,
         block = jnp.maximum(tables_ref[row, j], 0)
         k = k_ref[layer, block, :, h, :]                               # [bs, hd]
         v = v_ref[layer, block, :, h, :]
-        s = pl.dot(q, k, trans_b=True).astype(jnp.float32) * scale     # [G16, bs]
+        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                                preferred_element_type=jnp.float32) * scale     # [G16, bs]
         key_pos = j * block_size + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
         s = jnp.where(key_pos <= pos, s, -1e30)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         correction = jnp.exp(m - m_new)
         p = jnp.exp(s - m_new[:, None])
         l = l * correction + jnp.sum(p, axis=1)
-        o = o * correction[:, None] + pl.dot(p.astype(v.dtype), v).astype(jnp.float32)
+        o = o * correction[:, None] + jax.lax.dot_general(
+            p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
         return o, m_new, l
 
     init = (jnp.zeros((rows_q, hd), jnp.float32), jnp.full((rows_q,), -1e30, jnp.float32),
