@@ -120,10 +120,15 @@ class LLM:
                     n_tok, n_chr = sent[id(req)]
                     if len(req.output_token_ids) == n_tok and not req.finished:
                         continue
-                    sent[id(req)] = (len(req.output_token_ids), len(req.text))
+                    # Hold back the last len(longest stop string) - 1 characters while running: a stop
+                    # string completed by a later token may start inside them, and the final text is
+                    # cut right before it; text already yielded cannot be taken back.
+                    hold = 0 if req.finished or not req.params.stop else max(map(len, req.params.stop)) - 1
+                    n_chr_now = max(n_chr, len(req.text) - hold)
+                    sent[id(req)] = (len(req.output_token_ids), n_chr_now)
                     if req.finished:
                         pending.discard(id(req))
-                    yield self._output(req, delta_from=(n_tok, n_chr))
+                    yield self._output(req, delta_from=(n_tok, n_chr), text_end=n_chr_now)
         finally:
             for req in reqs:
                 if not req.finished:
@@ -143,11 +148,11 @@ class LLM:
         while self.engine.has_unfinished() and not self.engine.scheduler.has_work():
             self.engine.step()
 
-    def _output(self, req: Request, delta_from=None) -> RequestOutput:
+    def _output(self, req: Request, delta_from=None, text_end: int | None = None) -> RequestOutput:
         n_tok, n_chr = delta_from or (0, 0)
         return RequestOutput(
             request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
-            text=req.text[n_chr:], token_ids=req.output_token_ids[n_tok:], finished=req.finished,
+            text=req.text[n_chr:text_end], token_ids=req.output_token_ids[n_tok:], finished=req.finished,
             finish_reason=req.finish_reason,
             logprobs=req.logprobs[n_tok:] if req.params.logprobs is not None else None,
             metrics=request_metrics(req))

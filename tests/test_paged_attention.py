@@ -49,3 +49,15 @@ def test_forward_with_kernel_matches_reference_forward():
     ref, *_ = llama.forward(cfg, params, kv, batch, block_size=bs)
     out, *_ = llama.forward(cfg, params, kv, batch, block_size=bs, attention_fn=paged_attention_fn)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-4, atol=1e-4)
+
+
+def test_padding_tokens_visit_no_page_and_stay_finite():
+    rng = np.random.default_rng(3)
+    k_pool = jnp.asarray(rng.standard_normal((1, 32, 1, 8)), jnp.float32)
+    q = jnp.asarray(rng.standard_normal((4, 2, 8)), jnp.float32)
+    out = paged_attention(q, k_pool, k_pool, jnp.int32(0), jnp.array([3, -1, 5, -1], jnp.int32),
+                          jnp.zeros(4, jnp.int32), jnp.arange(8, dtype=jnp.int32).reshape(1, 8), block_size=4,
+                          interpret=True)
+    out = np.asarray(out).reshape(4, 2, 8)
+    assert np.isfinite(out).all()
+    assert np.all(out[[1, 3]] == 0)

@@ -4,7 +4,7 @@ block table, a page at a time, with an online softmax. Nothing is gathered into 
 Layout: the KV pool of the forward, k/v [L, num_blocks*block_size, Hkv, hd], viewed (for free) as
 [L, num_blocks, block_size, Hkv, hd]; the kernel takes the layer index as an input so the whole pool
 is passed as is (no per-layer slice copy). Query heads of one kv head (GQA group G) are one tile,
-padded to 16 rows for the matrix unit.
+read as 16 rows (the matrix unit's smallest tile), the rows past G masked.
 """
 from __future__ import annotations
 
@@ -14,12 +14,10 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-try:  # GPU compiler parameters (absent from some CPU-only installs)
-    from jax.experimental.pallas import triton as plgpu
-except ImportError:  # pragma: no cover
-    plgpu = None
+from jax.experimental.pallas import triton as plgpu
 
 _MIN_ROWS = 16  # the matrix unit's smallest tile
+PAGES_PER_ITER = 4  # pages each loop iteration loads at once (4 x 16 keys)
 
 
 def _next_pow2(x: int) -> int:
@@ -27,21 +25,27 @@ def _next_pow2(x: int) -> int:
 
 
 def _kernel(layer_ref, pos_ref, row_ref, tables_ref, q_ref, k_ref, v_ref, o_ref, *, block_size: int,
-            max_blocks: int, scale: float):
+            max_blocks: int, scale: float, group: int, q_block_shape: tuple[int, int], pages_per_iter: int):
     t, h = pl.program_id(0), pl.program_id(1)
     layer, pos, row = layer_ref[0], pos_ref[t], row_ref[t]
-    q = q_ref[...]                                                     # [G16, hd]
-    rows_q, hd = q.shape
+    rows_q, hd = q_block_shape
+    # This kv head's G query heads, read straight from q [T, Hq, hd]: rows past G are masked, so q needs
+    # no padded copy and the output no slice.
+    in_group = jax.lax.broadcasted_iota(jnp.int32, (rows_q, hd), 0) < group
+    q = plgpu.load(q_ref.at[t, pl.ds(h * group, rows_q), :], mask=in_group, other=0.0)
     num_pages = jnp.minimum(pos // block_size + 1, max_blocks)
+    keys = pages_per_iter * block_size
 
-    def page(j, carry):
+    def pages(j, carry):  # `pages_per_iter` pages (their loads in flight together) per iteration
         o, m, l = carry
-        block = jnp.maximum(tables_ref[row, j], 0)
-        k = k_ref[layer, block, :, h, :]                               # [bs, hd]
-        v = v_ref[layer, block, :, h, :]
+        table_idx = j * pages_per_iter + jax.lax.broadcasted_iota(jnp.int32, (pages_per_iter,), 0)
+        blocks = jnp.maximum(tables_ref[row, pl.ds(j * pages_per_iter, pages_per_iter)], 0)
+        blocks = jnp.where(table_idx < num_pages, blocks, 0)
+        k = k_ref[layer, blocks, :, h, :].reshape(keys, hd)              # [P*bs, hd]
+        v = v_ref[layer, blocks, :, h, :].reshape(keys, hd)
         s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
-                                preferred_element_type=jnp.float32) * scale     # [G16, bs]
-        key_pos = j * block_size + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
+                                preferred_element_type=jnp.float32) * scale     # [G16, P*bs]
+        key_pos = j * keys + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
         s = jnp.where(key_pos <= pos, s, -1e30)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         correction = jnp.exp(m - m_new)
@@ -53,8 +57,9 @@ def _kernel(layer_ref, pos_ref, row_ref, tables_ref, q_ref, k_ref, v_ref, o_ref,
 
     init = (jnp.zeros((rows_q, hd), jnp.float32), jnp.full((rows_q,), -1e30, jnp.float32),
             jnp.zeros((rows_q,), jnp.float32))
-    o, m, l = jax.lax.fori_loop(0, num_pages, page, init)
-    o_ref[...] = (o / l[:, None]).astype(o_ref.dtype)
+    o, m, l = jax.lax.fori_loop(0, pl.cdiv(num_pages, pages_per_iter), pages, init)
+    l = jnp.maximum(l, 1e-30)  # a padding token (position -1) visits no page: its output is 0, never NaN
+    plgpu.store(o_ref.at[t, pl.ds(h * group, rows_q), :], (o / l[:, None]).astype(o_ref.dtype), mask=in_group)
 
 
 @functools.partial(jax.jit, static_argnames=("block_size", "interpret"))
@@ -69,30 +74,40 @@ def paged_attention(q, k_pool, v_pool, layer, positions, row_of_token, block_tab
     L, S, Hkv, _ = k_pool.shape
     G = Hq // Hkv
     G16 = max(_MIN_ROWS, _next_pow2(G))
-    qg = jnp.pad(q.reshape(T, Hkv, G, hd), ((0, 0), (0, 0), (0, G16 - G), (0, 0)))
+    # On a GPU masked lanes touch no memory; the interpreter slices instead (and clamps slices that run
+    # past the end), so there the head axis gets G16 spare rows.
+    spare = G16 if interpret else 0
+    q_rows = Hq + spare
     pages = (L, S // block_size, block_size, Hkv, hd)
     R, MB = block_tables.shape
-    kernel = functools.partial(_kernel, block_size=block_size, max_blocks=MB, scale=hd ** -0.5)
+    # Tables padded to whole iterations (-1: no block), so a page group never reads past a row's end.
+    P = min(PAGES_PER_ITER, _next_pow2(MB))
+    MBp = -(-MB // P) * P
+    if MBp != MB:
+        block_tables = jnp.pad(block_tables, ((0, 0), (0, MBp - MB)), constant_values=-1)
+    kernel = functools.partial(_kernel, block_size=block_size, max_blocks=MB, scale=hd ** -0.5, group=G,
+                               q_block_shape=(G16, hd), pages_per_iter=P)
     whole = lambda shape: pl.BlockSpec(shape, lambda t, h: (0,) * len(shape))  # noqa: E731
-    params = dict(compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2)) if (
-        plgpu is not None and not interpret) else {}
+    params = {} if interpret else dict(compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2))
     out = pl.pallas_call(
         kernel,
         grid=(T, Hkv),
-        in_specs=[whole((1,)), whole((T,)), whole((T,)), whole((R, MB)),
-                  pl.BlockSpec((None, None, G16, hd), lambda t, h: (t, h, 0, 0)),
-                  whole(pages), whole(pages)],
-        out_specs=pl.BlockSpec((None, None, G16, hd), lambda t, h: (t, h, 0, 0)),
-        out_shape=jax.ShapeDtypeStruct((T, Hkv, G16, hd), q.dtype),
+        in_specs=[whole((1,)), whole((T,)), whole((T,)), whole((R, MBp)),
+                  whole((T, q_rows, hd)), whole(pages), whole(pages)],
+        out_specs=whole((T, q_rows, hd)),
+        out_shape=jax.ShapeDtypeStruct((T, q_rows, hd), q.dtype),
         interpret=interpret,
         name="paged_attention",
         **params,
     )(jnp.reshape(layer, (1,)).astype(jnp.int32), positions.astype(jnp.int32), row_of_token.astype(jnp.int32),
-      block_tables.astype(jnp.int32), qg, k_pool.reshape(pages), v_pool.reshape(pages))
-    return out[:, :, :G].reshape(T, Hq * hd)
+      block_tables.astype(jnp.int32), jnp.pad(q, ((0, 0), (0, spare), (0, 0))) if spare else q,
+      k_pool.reshape(pages), v_pool.reshape(pages))
+    return (out[:, :Hq] if spare else out).reshape(T, Hq * hd)
 
 
 def paged_attention_fn(q, k_pool, v_pool, layer, batch, block_size: int):
-    """`forward`'s attention_fn signature over the kernel."""
-    return paged_attention(q, k_pool, v_pool, jnp.asarray(layer, jnp.int32), batch.positions, batch.row_of_token,
+    """`forward`'s attention_fn signature over the kernel. Padding tokens (their KV write dropped: slot
+    past the pool) get position -1, so their programs visit no page."""
+    positions = jnp.where(batch.slot_mapping < k_pool.shape[1], batch.positions, -1)
+    return paged_attention(q, k_pool, v_pool, jnp.asarray(layer, jnp.int32), positions, batch.row_of_token,
                            batch.block_tables, block_size=block_size)

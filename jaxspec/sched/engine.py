@@ -144,9 +144,12 @@ class Engine:
         if n + max(1, params.min_tokens) > sc.max_model_len:
             raise ValueError(f"the prompt has {n} tokens and min_tokens={params.min_tokens}: more than "
                              f"max_model_len={sc.max_model_len} allows (prompt + max(1, min_tokens) <= max_model_len)")
-        if self.blocks.blocks_for(n + 1 + sc.num_spec_tokens) > self.blocks.num_blocks:
-            raise ValueError(f"the prompt has {n} tokens and can never fit the KV pool of "
-                             f"{self.blocks.num_blocks} blocks x {sc.block_size} tokens; raise num_kv_blocks")
+        # Alone in the pool, a request must reach its end: prompt + max_tokens (+ drafts in flight).
+        need = min(n + params.max_tokens + sc.num_spec_tokens + self.scheduler.draft_lookahead, sc.max_model_len)
+        if self.blocks.blocks_for(need) > self.blocks.num_blocks:
+            raise ValueError(f"the prompt has {n} tokens and max_tokens={params.max_tokens}: that can never fit the "
+                             f"KV pool of {self.blocks.num_blocks} blocks x {sc.block_size} tokens; raise "
+                             f"num_kv_blocks or lower max_tokens")
 
     def abort(self, request_id: str):
         req = self.requests.get(request_id)
@@ -188,8 +191,9 @@ class Engine:
         return min(num_tokens, self.config.max_num_seqs)  # a step has at most one row per token
 
     def _run_step(self, T: int, host_inputs: dict[str, np.ndarray]) -> dict:
-        # One transfer; may_alias=False: the device never reads the host buffer after this call, so
-        # nothing the host does to it later can reach the step.
+        # One transfer of a buffer built for this step alone and never touched again: on the CPU backend
+        # the transfer may read host memory after this call returns (even with may_alias=False), so a
+        # reused staging buffer would need double-buffering.
         buf = jax.device_put(pack_inputs(host_inputs), may_alias=False)
         self.state, out = self._steps[T](self.params, self.drafter_params, self.state, buf)
         self.last_inputs[T] = buf  # kept for benchmarks that replay a live step on the device

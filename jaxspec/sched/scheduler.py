@@ -55,7 +55,7 @@ class Scheduler:
             row = self._plan_running(req, budget)
             if row is None:
                 continue
-            lookahead = self.draft_lookahead if row.num_drafts else 0
+            lookahead = self.draft_lookahead if row.sample else 0   # the drafts proposed after sampling
             if not self._reserve(req, req.num_computed + row.num_new + lookahead, scheduled):
                 continue
             rows.append(self._commit(row))
@@ -67,7 +67,8 @@ class Scheduler:
                 break
             prefill = req.prompt_token_ids + req.output_token_ids
             num_new = min(len(prefill), budget)
-            if not self.blocks.grow(req.block_ids, num_new):
+            lookahead = self.draft_lookahead if num_new == len(prefill) else 0
+            if not self.blocks.grow(req.block_ids, min(num_new + lookahead, self.max_model_len)):
                 break
             self.waiting.popleft()
             req.slot = self.blocks.take_slot()

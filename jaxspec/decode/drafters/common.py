@@ -1,0 +1,60 @@
+"""Pieces shared by the drafters that run a model of their own (draft model, EAGLE heads).
+
+R rows, V target vocabulary, k drafts; S = num_blocks * block_size flat KV slots (S itself is the
+sentinel slot that KV writes drop).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxspec.decode import sampling
+from jaxspec.models.llama import ForwardBatch
+from jaxspec.pallas.slot_mapping import slot_mapping
+
+
+def check_same_vocab(target, vocab_size: int, tokenizer, what: str):
+    """A drafter must propose ids of the target's vocabulary: equal size and, when both have tokenizers,
+    the same token -> id mapping."""
+    tv = target.config.vocab_size
+    if vocab_size != tv:
+        raise ValueError(f"{what} has vocab_size={vocab_size} but the target has {tv}: the drafter must share "
+                         "the target's tokenizer and vocabulary")
+    if tokenizer is not None and target.tokenizer is not None and tokenizer.get_vocab() != target.tokenizer.get_vocab():
+        raise ValueError(f"{what} has a different tokenizer vocabulary than the target: the drafter must share the "
+                         "target's tokenizer")
+
+
+def kv_slots_for(positions, row_of_token, valid, block_tables, block_size: int, num_kv_slots: int):
+    """Flat KV slots i32[T] of tokens at `positions` of rows `row_of_token`; invalid or unmapped -> the
+    sentinel S (as the target's step does)."""
+    slots = slot_mapping(positions, row_of_token, valid, block_tables, block_size, num_kv_slots)
+    return jnp.where((slots >= 0) & (slots < num_kv_slots), slots, num_kv_slots)
+
+
+def one_token_batch(ids, positions, valid, block_tables, block_size: int, num_kv_slots: int) -> ForwardBatch:
+    """A ForwardBatch of one token per row (row r's token is token r); logits for every row.
+    Invalid rows write no KV; their positions are clamped to >= 0 so their attention stays finite."""
+    R = ids.shape[0]
+    rows = jnp.arange(R, dtype=jnp.int32)
+    slots = kv_slots_for(positions, rows, valid, block_tables, block_size, num_kv_slots)
+    return ForwardBatch(ids, jnp.maximum(positions, 0), slots, rows, block_tables, rows)
+
+
+def pick_drafts(logits, ctx, j, draft_sampling: str):
+    """Row-wise drafts from draft logits f32[R, V] at draft position j -> (i32[R], logprobs f32[R, V] or None).
+
+    "argmax": the drafter's argmax (q is a point mass). "sample": a draw from the processed distribution
+    (temperature, top-k/top-p/min-p of each row's request) with the row's key folded with j; greedy rows
+    take the argmax. The draw's log-probabilities are returned for the rejection sampler.
+    """
+    if draft_sampling == "argmax":
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
+    logprobs = sampling.processed_logprobs(logits, ctx.sampling)                     # [R, V]
+    keys = jax.vmap(jax.random.fold_in, (0, None))(ctx.keys, j)
+    return sampling.sample(logprobs, ctx.sampling.is_greedy, keys), logprobs
+
+
+def init_draft_logprobs(step_config, vocab_size: int):
+    """f32[slots+1, k, V]: the distributions the drafts of each slot were drawn from."""
+    return jnp.zeros((step_config.num_slots + 1, step_config.num_spec_tokens, vocab_size), jnp.float32)
