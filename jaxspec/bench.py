@@ -307,9 +307,13 @@ def main(argv=None):
     if args.baseline == "hf":
         from jaxspec.hf_baseline import run_hf_baseline
         hf = run_hf_baseline(args, workload)
+        ours = results[-1]
         for r in hf:
-            print(f"{r['label']:<40}{r['output_throughput']:>12.2f} tok/s   jaxspec/{r['label']}: "
-                  f"{results[-1]['output_throughput'] / r['output_throughput']:.2f}x")
+            same_batch = r.get("batch") == args.max_concurrency
+            ratio = (f"jaxspec {ours['label']} at batch {args.max_concurrency}: "
+                     f"{ours['output_throughput'] / r['output_throughput']:.2f}x" if same_batch else
+                     "(other batch size: compare with a jaxspec run at that --max-concurrency)")
+            print(f"{r['label']:<28}{r['output_throughput']:>10.2f} tok/s   {ratio}")
         results += hf
     if args.json:
         with open(args.json, "w") as f:

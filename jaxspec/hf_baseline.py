@@ -65,11 +65,12 @@ def run_hf_baseline(args, workload) -> list[dict]:
         if device == "cuda":
             torch.cuda.synchronize()
         duration = time.perf_counter() - t0
-        results.append({"label": label, "duration_s": duration, "output_tokens": n_out,
+        results.append({"label": label, "batch": batch_size, "duration_s": duration, "output_tokens": n_out,
                         "output_throughput": n_out / duration})
         print(f"transformers {label}: {n_out} tokens in {duration:.2f}s = {n_out / duration:.1f} tok/s", flush=True)
 
-    run(f"hf-eager-b{batch}", {}, batch)
+    for b in sorted({1, batch}):
+        run(f"hf-eager-b{b}", {}, b)
     try:
         compiled = dict(cache_implementation="static", compile_config=None)
         model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=False)
@@ -80,7 +81,7 @@ def run_hf_baseline(args, workload) -> list[dict]:
         try:
             model.forward = model.__class__.forward.__get__(model)
             draft, _ = _load(args.draft_model, dtype, device)
-            run("hf-assisted-b1", {"assistant_model": draft}, 1, max_prompts=min(len(prompts), 8))
+            run("hf-assisted-b1", {"assistant_model": draft}, 1, max_prompts=min(len(prompts), 4))
         except Exception as e:  # noqa: BLE001
             print(f"transformers assisted generation did not run: {type(e).__name__}: {e}")
     return results

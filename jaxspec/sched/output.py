@@ -55,16 +55,27 @@ def append_tokens(req: Request, tokens, tokenizer, max_model_len: int, logprobs=
         ids = req.output_token_ids
         if req.finish_reason == "stop" and ids and (ids[-1] in req.eos_token_ids or ids[-1] in p.stop_token_ids):
             ids = ids[:-1]  # the stop token itself is not part of the text
-        text = tokenizer.decode(ids, skip_special_tokens=True)
-        if not req.finish_reason and text.endswith("\ufffd"):
-            text = old_text  # a multi-byte character is incomplete: wait for its remaining tokens
+        _detokenize(req, tokenizer, ids)
         if p.stop and len(req.output_token_ids) >= p.min_tokens:
-            hit = _first_stop(text, p.stop, max(0, len(old_text) - max(map(len, p.stop))))
+            hit = _first_stop(req.text, p.stop, max(0, len(old_text) - max(map(len, p.stop))))
             if hit is not None:
-                text = text[:hit]
+                req.text = req.text[:hit]
                 req.finish_reason = "stop"
-        req.text = text
     return new_ids, req.text[len(old_text):] if req.text.startswith(old_text) else req.text
+
+
+def _detokenize(req: Request, tokenizer, ids: list[int]):
+    """Incremental detokenization: decode only a short window of the newest tokens each step (a whole
+    decode per step is quadratic in the output length). The window starts a few tokens back so that
+    tokens whose text depends on their neighbours (leading spaces, multi-byte characters split over
+    tokens) render as a full decode would."""
+    if req.detok_read >= len(ids):
+        return
+    prefix = tokenizer.decode(ids[req.detok_prefix:req.detok_read], skip_special_tokens=True)
+    full = tokenizer.decode(ids[req.detok_prefix:], skip_special_tokens=True)
+    if len(full) > len(prefix) and (not full.endswith("\ufffd") or req.finish_reason):
+        req.text += full[len(prefix):]  # a trailing incomplete character waits for its remaining tokens
+        req.detok_prefix, req.detok_read = req.detok_read, len(ids)
 
 
 def _first_stop(text: str, stops: list[str], search_from: int) -> int | None:

@@ -41,6 +41,8 @@ class Request:
 
     # output processing
     text: str = ""
+    detok_prefix: int = 0            # incremental detokenization window over output_token_ids
+    detok_read: int = 0
     logprobs: list = dataclasses.field(default_factory=list)
     first_token_time: float | None = None
     token_times: list[float] = dataclasses.field(default_factory=list)
