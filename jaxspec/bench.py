@@ -10,8 +10,6 @@ import argparse
 import dataclasses
 import gzip
 import json
-import os
-import statistics
 import sys
 import time
 

@@ -1,7 +1,7 @@
 """`LLM` and `generate`: the public entry points, shaped like vLLM's offline API."""
 from __future__ import annotations
 
-from typing import Iterable, Iterator
+from typing import Iterator
 
 from tqdm.auto import tqdm
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import jax
 import numpy as np
