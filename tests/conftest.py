@@ -28,6 +28,8 @@ TINY_MODELS = {
     "llama_sharded": ("LlamaConfig", dict(), "60KB"),
     "qwen2": ("Qwen2Config", dict(rope_theta=1000000.0, tie_word_embeddings=False), None),
     "qwen3": ("Qwen3Config", dict(head_dim=32, tie_word_embeddings=False), None),
+    # GGUF-only (jaxspec's HF-dir loader accepts llama3 rope scaling only): linear rope scaling, factor 2.
+    "llama_linear": ("LlamaConfig", dict(rope_scaling=dict(rope_type="linear", factor=2.0)), None),
 }
 
 
@@ -68,7 +70,8 @@ def make_tiny_hf_model(kind: str, path, seed: int = 0):
 
 @pytest.fixture(scope="session")
 def tiny_hf_dirs(tmp_path_factory):
-    """{kind: directory} of tiny random HF checkpoints: llama, llama3_tied, llama_sharded, qwen2, qwen3."""
+    """{kind: directory} of tiny random HF checkpoints: llama, llama3_tied, llama_sharded, qwen2, qwen3,
+    llama_linear."""
     root = tmp_path_factory.mktemp("tiny_hf")
     return {kind: make_tiny_hf_model(kind, root / kind, seed=i) for i, kind in enumerate(TINY_MODELS)}
 

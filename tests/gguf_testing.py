@@ -6,6 +6,7 @@ time; they are deliberately written independently of the vectorized code in the 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import gguf
@@ -109,9 +110,30 @@ def write_gguf(path, arch: str, tensors: dict[str, tuple[np.ndarray, object]], m
     return Path(path)
 
 
+def llama3_rope_freq_factors(rope_theta: float, head_dim: int, factor: float, low_freq_factor: float,
+                             high_freq_factor: float, original_max_position_embeddings: int) -> np.ndarray:
+    """The `rope_freqs` tensor llama.cpp's converter writes for llama3 rope scaling: per-frequency divisors
+    of the base inverse frequencies (1 for short wavelengths, `factor` for long ones, a smooth ramp between)."""
+    old_len = original_max_position_embeddings
+    low_freq_wavelen, high_freq_wavelen = old_len / low_freq_factor, old_len / high_freq_factor
+    base = 1.0 / (np.float32(rope_theta) ** (np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)))
+    out = []
+    for freq in base.tolist():
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_freq_wavelen:
+            out.append(1.0)
+        elif wavelen > low_freq_wavelen:
+            out.append(factor)
+        else:
+            smooth = (old_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+            out.append(1.0 / ((1.0 - smooth) / factor + smooth))
+    return np.array(out, np.float32)
+
+
 def gguf_from_hf_dir(hf_dir, out_path, arch: str | None = None):
     """Convert a tiny float32 HF safetensors checkpoint to a F32 GGUF the way llama.cpp lays it out
-    (its names, its q/k row permutation for llama, metadata keys); no tokenizer."""
+    (its names, its q/k row permutation for llama, metadata keys; llama3 rope scaling as a `rope_freqs`
+    tensor, linear rope scaling as rope.scaling.type/factor metadata); no tokenizer."""
     from safetensors.numpy import load_file
 
     from jaxspec.models.gguf_loader import permute_rows
@@ -131,7 +153,17 @@ def gguf_from_hf_dir(hf_dir, out_path, arch: str | None = None):
              "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
              "post_attention_layernorm.weight": "ffn_norm.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
              "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight"}
-    tensors = {}
+    rope_theta = float(cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"])
+    rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    tensors, rope_meta = {}, {}
+    if rope_type == "llama3":
+        keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        tensors["rope_freqs.weight"] = (llama3_rope_freq_factors(rope_theta, head_dim, *(rope[k] for k in keys)), None)
+    elif rope_type == "linear":
+        rope_meta = {f"{arch}.rope.scaling.type": "linear", f"{arch}.rope.scaling.factor": float(rope["factor"])}
+    elif rope_type != "default":
+        raise ValueError(f"no GGUF layout for rope type {rope_type!r}")
     for name, value in state.items():
         if name.startswith("model.layers."):
             i, rest = name[len("model.layers."):].split(".", 1)
@@ -149,6 +181,6 @@ def gguf_from_hf_dir(hf_dir, out_path, arch: str | None = None):
         f"{arch}.attention.head_count": n_heads, f"{arch}.attention.head_count_kv": n_kv,
         f"{arch}.attention.key_length": head_dim, f"{arch}.attention.value_length": head_dim,
         f"{arch}.attention.layer_norm_rms_epsilon": float(cfg["rms_norm_eps"]),
-        f"{arch}.rope.freq_base": float(cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"]),
+        f"{arch}.rope.freq_base": rope_theta, **rope_meta,
     }
     return write_gguf(out_path, arch, tensors, meta)

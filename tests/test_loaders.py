@@ -10,10 +10,11 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from gguf_testing import Q, gguf_from_hf_dir, random_blocks, reference_dequantize_block, write_gguf
+from gguf_testing import (Q, gguf_from_hf_dir, llama3_rope_freq_factors, random_blocks, reference_dequantize_block,
+                          write_gguf)
 from jaxspec.models import load_model
 from jaxspec.models import presets as presets_mod
-from jaxspec.models.checkpoint import load_checkpoint, restore_params, save_params
+from jaxspec.models.checkpoint import config_from_dict, config_to_dict, load_checkpoint, restore_params, save_params
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.errors import (ChecksumMismatchError, CorruptModelFileError, PresetPackageMissingError,
                                    UnknownPresetError, UnsupportedModelError)
@@ -209,7 +210,93 @@ def test_gguf_loader_matches_hf_weights(tiny_hf_dirs, tmp_path, kind):
                   "head_dim", "rope_theta"):
         assert getattr(model.config, field) == getattr(expected, field), field
     assert model.config.rms_norm_eps == pytest.approx(expected.rms_norm_eps)
+    assert model.config.rope_scaling is None
+    if kind == "llama3_tied":  # llama3 scaling arrives as the rope_freqs tensor, not as a layer weight
+        want = llama3_rope_freq_factors(expected.rope_theta, expected.head_dim, **expected.rope_scaling_dict)
+        assert model.config.rope_freq_factors == tuple(want.tolist())
+        assert "rope_freqs.weight" in {t.name for t in open_gguf(path).tensors}
+    else:
+        assert model.config.rope_freq_factors is None
     assert_params_match_state(model.params, model.config, hf_state_dict(tiny_hf_dirs[kind]))
+
+
+def llama3_config(**rope) -> ModelConfig:
+    return ModelConfig(arch="llama", vocab_size=32, hidden_size=256, intermediate_size=64, num_layers=1,
+                       num_heads=2, num_kv_heads=2, head_dim=128, rope_theta=500000.0, **rope)
+
+
+def test_rope_freq_factors_reproduce_llama3_scaling():
+    """Llama-3.1's rope (head_dim 128, 8192 original positions: all three bands occur): dividing by the
+    converter's per-frequency factors gives the inverse frequencies of jaxspec's llama3 formula."""
+    from jaxspec.models.llama import rope_inv_freq
+    scaling = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
+    factors = llama3_rope_freq_factors(500000.0, 128, **scaling)
+    assert (factors == 1.0).any() and (factors == 8.0).any() and ((factors > 1.0) & (factors < 8.0)).any()
+    via_factors = llama3_config(rope_freq_factors=tuple(factors.tolist()))
+    via_scaling = llama3_config(rope_scaling=tuple(sorted(scaling.items())))
+    np.testing.assert_allclose(rope_inv_freq(via_factors), rope_inv_freq(via_scaling), rtol=2e-6)
+    assert not np.allclose(rope_inv_freq(via_factors), rope_inv_freq(llama3_config()), rtol=1e-3)
+
+
+def test_rope_freq_factors_config_is_hashable_and_validated():
+    config = llama3_config(rope_freq_factors=[2.0] * 64)
+    assert config.rope_freq_factors == (2.0,) * 64 and hash(config) == hash(llama3_config(rope_freq_factors=(2,) * 64))
+    assert config_from_dict(json.loads(json.dumps(config_to_dict(config)))) == config
+    with pytest.raises(ValueError, match="rope_freq_factors has 3 entries; expected head_dim/2 = 64"):
+        llama3_config(rope_freq_factors=(1.0, 2.0, 3.0))
+    with pytest.raises(ValueError, match="alternatives"):
+        llama3_config(rope_freq_factors=(1.0,) * 64, rope_scaling=(("factor", 8.0),))
+
+
+def test_llama3_gguf_and_hf_dir_give_same_logits(tiny_hf_dirs, tmp_path):
+    from jaxspec.models.llama import rope_inv_freq
+    path = gguf_from_hf_dir(tiny_hf_dirs["llama3_tied"], tmp_path / "llama3.gguf", "llama")
+    from_gguf = load_model(path, dtype="float32")
+    from_hf = load_model(tiny_hf_dirs["llama3_tied"], dtype="float32")
+    assert from_hf.config.rope_scaling is not None and from_gguf.config.rope_freq_factors is not None
+    np.testing.assert_allclose(rope_inv_freq(from_gguf.config), rope_inv_freq(from_hf.config), rtol=2e-6)
+    token_ids = np.random.default_rng(2).integers(0, from_hf.config.vocab_size, 40)
+    got, want = from_gguf.score(token_ids), from_hf.score(token_ids)
+    assert got.shape == want.shape == (40, from_hf.config.vocab_size)
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+
+
+def test_linear_rope_scaling_gguf(tiny_hf_dirs, tmp_path):
+    path = gguf_from_hf_dir(tiny_hf_dirs["llama_linear"], tmp_path / "linear.gguf", "llama")
+    config = config_from_gguf(open_gguf(path))
+    assert config.rope_freq_factors == (2.0,) * (config.head_dim // 2)
+
+
+def rope_variant_gguf(tiny_hf_dirs, tmp_path, arch="llama", meta=None, rope_freqs=None) -> str:
+    """The tiny llama GGUF rewritten with extra metadata and/or a rope_freqs tensor."""
+    base = tmp_path / "base.gguf"
+    reader = gguf.GGUFReader(base if base.exists() else gguf_from_hf_dir(tiny_hf_dirs["llama"], base))
+    tensors = {t.name: (dequantize_tensor(t), None) for t in reader.tensors}
+    if rope_freqs is not None:
+        tensors["rope_freqs.weight"] = (np.asarray(rope_freqs, np.float32), None)
+    base_meta = {f"{arch}.{k[len('llama.'):]}": f.contents() for k, f in reader.fields.items()
+                 if k.startswith("llama.")}
+    out = tmp_path / f"variant{len(list(tmp_path.glob('variant*.gguf')))}.gguf"  # never rewrite a mapped file
+    return write_gguf(out, arch, tensors, {**base_meta, **(meta or {})})
+
+
+def test_gguf_rope_scaling_errors(tiny_hf_dirs, tmp_path):
+    with pytest.raises(UnsupportedModelError, match="rope scaling type 'yarn' is not supported; supported: none, lin"):
+        load_gguf(rope_variant_gguf(tiny_hf_dirs, tmp_path, meta={"llama.rope.scaling.type": "yarn"}))
+    with pytest.raises(CorruptModelFileError, match="rope_freqs tensor has 3 values; expected head_dim/2 = 8"):
+        load_gguf(rope_variant_gguf(tiny_hf_dirs, tmp_path, rope_freqs=[1.0, 2.0, 3.0]))
+    with pytest.raises(CorruptModelFileError, match="non-positive"):
+        load_gguf(rope_variant_gguf(tiny_hf_dirs, tmp_path, rope_freqs=[1.0] * 7 + [0.0]))
+    with pytest.raises(UnsupportedModelError, match="rope_freqs tensor for architecture 'qwen3'"):
+        config_from_gguf(open_gguf(rope_variant_gguf(tiny_hf_dirs, tmp_path, "qwen3", rope_freqs=[1.0] * 8)))
+    # a factor of 1 (or "none") is plain rope; rope_freqs and a linear factor multiply, as in llama.cpp
+    plain = config_from_gguf(open_gguf(rope_variant_gguf(
+        tiny_hf_dirs, tmp_path, meta={"llama.rope.scaling.type": "none", "llama.rope.scaling.factor": 1.0})))
+    assert plain.rope_freq_factors is None
+    both = config_from_gguf(open_gguf(rope_variant_gguf(
+        tiny_hf_dirs, tmp_path, meta={"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 2.0},
+        rope_freqs=[1.0, 1.5, 2.0, 4.0, 8.0, 8.0, 8.0, 8.0])))
+    assert both.rope_freq_factors == (2.0, 3.0, 4.0, 8.0, 16.0, 16.0, 16.0, 16.0)
 
 
 # ---------------------------------------------------------------- the real SmolLM2 GGUF

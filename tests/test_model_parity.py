@@ -1,7 +1,10 @@
 """`Model.score` against transformers float32 logits on the same weights: max|diff| / max|ref| <= 1e-4."""
+import dataclasses
+
 import numpy as np
 import pytest
 
+from gguf_testing import gguf_from_hf_dir
 from jaxspec.models import load_model
 
 TOLERANCE = 1e-4
@@ -36,6 +39,26 @@ def test_tiny_hf_models_match_transformers(tiny_hf_dirs, kind):
     got = model.score(token_ids)
     assert got.shape == ref.shape
     assert relative_error(got, ref) <= TOLERANCE
+
+
+@pytest.mark.parametrize("kind", ["llama3_tied", "llama_linear"])
+def test_rope_scaled_llama_gguf_matches_transformers(tiny_hf_dirs, tmp_path, kind):
+    """llama.cpp-style GGUFs of rope-scaled llamas (llama3: a rope_freqs tensor; linear: rope.scaling.type/factor)
+    score like transformers on the HF checkpoint, over 40 positions (past original_max_position_embeddings=16)."""
+    import torch
+    import transformers
+    path = gguf_from_hf_dir(tiny_hf_dirs[kind], tmp_path / f"{kind}.gguf", "llama")
+    model = load_model(path, dtype="float32")
+    assert model.config.rope_scaling is None and model.config.rope_freq_factors is not None
+    ref_model = transformers.AutoModelForCausalLM.from_pretrained(str(tiny_hf_dirs[kind]), dtype=torch.float32)
+    token_ids = np.random.default_rng(1).integers(0, model.config.vocab_size, 40)
+    ref = transformers_logits(ref_model.eval(), token_ids)
+    got = model.score(token_ids)
+    assert got.shape == ref.shape
+    assert relative_error(got, ref) <= TOLERANCE
+    # The scaling is what makes it match: plain rope on the same weights is far off.
+    plain = dataclasses.replace(model, config=dataclasses.replace(model.config, rope_freq_factors=None))
+    assert relative_error(plain.score(token_ids), ref) > 100 * TOLERANCE
 
 
 def test_smollm2_gguf_matches_transformers(smollm2_gguf_path):

@@ -41,12 +41,24 @@ class ModelConfig:
     max_position_embeddings: int = 4096
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Per-frequency rope divisors [head_dim/2] (GGUF `rope_freqs`, how llama.cpp stores llama3 scaling; a
+    # linear GGUF scaling factor is folded in): inv_freq = base_inv_freq / rope_freq_factors. An alternative
+    # to `rope_scaling`, never combined with it. A tuple of floats so the config stays hashable.
+    rope_freq_factors: tuple[float, ...] | None = None
 
     def __post_init__(self):
         if self.arch not in ARCHITECTURES:
             raise ValueError(f"unsupported architecture {self.arch!r}; supported: {', '.join(ARCHITECTURES)}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+        if self.rope_freq_factors is not None:
+            factors = tuple(float(f) for f in self.rope_freq_factors)
+            object.__setattr__(self, "rope_freq_factors", factors)  # lists (e.g. from JSON) become a tuple
+            if len(factors) != self.head_dim // 2:
+                raise ValueError(f"rope_freq_factors has {len(factors)} entries; expected head_dim/2 = "
+                                 f"{self.head_dim // 2}")
+            if self.rope_scaling is not None:
+                raise ValueError("rope_freq_factors and rope_scaling are alternatives; set only one")
 
     @property
     def qkv_bias(self) -> bool:

@@ -272,16 +272,11 @@ def config_from_gguf(reader) -> ModelConfig:
         raise UnsupportedModelError(
             f"unsupported GGUF architecture {arch!r}; supported: {', '.join(ARCHITECTURES)}")
     names = {t.name: t for t in reader.tensors}
-    if "rope_freqs.weight" in names:
-        raise UnsupportedModelError("GGUF has a rope_freqs tensor (llama3-style rope scaling baked into "
-                                    "frequencies); jaxspec reads llama3 rope scaling only from a HF config.json")
-    scaling = metadata(reader, f"{arch}.rope.scaling.type")
-    if scaling not in (None, "none"):
-        raise UnsupportedModelError(f"GGUF rope scaling type {scaling!r} is not supported; supported: none")
     if "token_embd.weight" not in names:
         raise CorruptModelFileError("GGUF has no token_embd.weight tensor")
     hidden = int(_require(reader, f"{arch}.embedding_length"))
     n_heads = int(_require(reader, f"{arch}.attention.head_count"))
+    head_dim = int(metadata(reader, f"{arch}.attention.key_length", hidden // n_heads))
     tokens = reader.get_field("tokenizer.ggml.tokens")
     n_tokens = None if tokens is None else len(tokens.data) if isinstance(tokens, gguf.ReaderField) else len(tokens)
     vocab_size = int(names["token_embd.weight"].shape[1])  # GGUF dims are reversed: [D, V]
@@ -296,14 +291,45 @@ def config_from_gguf(reader) -> ModelConfig:
         num_layers=int(_require(reader, f"{arch}.block_count")),
         num_heads=n_heads,
         num_kv_heads=int(metadata(reader, f"{arch}.attention.head_count_kv", n_heads)),
-        head_dim=int(metadata(reader, f"{arch}.attention.key_length", hidden // n_heads)),
+        head_dim=head_dim,
         rms_norm_eps=float(metadata(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=float(metadata(reader, f"{arch}.rope.freq_base", 10000.0)),
         tie_word_embeddings="output.weight" not in names,
         max_position_embeddings=int(metadata(reader, f"{arch}.context_length", 4096)),
         bos_token_id=metadata(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=(int(eos),) if eos is not None else (),
+        rope_freq_factors=rope_freq_factors_from_gguf(reader, arch, head_dim),
     )
+
+
+def rope_freq_factors_from_gguf(reader, arch: str, head_dim: int) -> tuple[float, ...] | None:
+    """The per-frequency rope divisors [head_dim/2] of a GGUF, or None for plain rope.
+
+    llama.cpp's converter stores llama3 rope scaling as a `rope_freqs` tensor (inv_freq / rope_freqs) and
+    linear scaling as `rope.scaling.type = linear` with `rope.scaling.factor` (positions / factor, the same
+    as inv_freq / factor); llama.cpp applies the factor with both, so both are folded into one tuple here.
+    Other scaling types (yarn, ...) raise UnsupportedModelError.
+    """
+    scaling = metadata(reader, f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none", "linear"):
+        raise UnsupportedModelError(f"GGUF rope scaling type {scaling!r} is not supported; supported: none, linear "
+                                    "(and llama3 scaling stored as a rope_freqs tensor)")
+    factor = float(metadata(reader, f"{arch}.rope.scaling.factor", 0.0) or 1.0)  # 0/absent: no scaling
+    if not np.isfinite(factor) or factor <= 0:
+        raise CorruptModelFileError(f"GGUF rope scaling factor {factor!r} is not a positive number")
+    tensor = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if tensor is None:
+        return None if factor == 1.0 else (factor,) * (head_dim // 2)
+    if arch != "llama":
+        raise UnsupportedModelError(f"GGUF has a rope_freqs tensor for architecture {arch!r}; jaxspec applies "
+                                    "rope_freqs only to llama")
+    freqs = dequantize_tensor(tensor, backend="numpy", dtype="float32").ravel()
+    if freqs.shape != (head_dim // 2,):
+        raise CorruptModelFileError(f"GGUF rope_freqs tensor has {freqs.size} values; expected head_dim/2 = "
+                                    f"{head_dim // 2}")
+    if not (np.isfinite(freqs).all() and (freqs > 0).all()):
+        raise CorruptModelFileError("GGUF rope_freqs tensor has non-positive or non-finite values")
+    return tuple(float(f) * factor for f in freqs)
 
 
 def params_from_gguf(reader, config: ModelConfig, dtype="float32", backend: str = "jax") -> dict:
@@ -383,7 +409,8 @@ def tokenizer_from_gguf(path: str | os.PathLike, reader, use_cache: bool = True)
 
 
 def load_gguf(path: str | os.PathLike, dtype="bfloat16", with_tokenizer: bool = True, backend: str = "jax") -> Model:
-    """Load a GGUF file (llama, qwen2 or qwen3; types F32/F16/BF16/Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q5_K/Q6_K).
+    """Load a GGUF file (llama, qwen2 or qwen3; types F32/F16/BF16/Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q5_K/Q6_K; rope plain,
+    linear, or llama3 as a llama `rope_freqs` tensor).
 
     backend: "jax" (default, fast) or "numpy" dequantization (see `dequantize_tensor`)."""
     dtype = resolve_dtype(dtype)

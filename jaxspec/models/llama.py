@@ -40,6 +40,8 @@ def rms_norm(x, weight, eps):
 def rope_inv_freq(config: ModelConfig) -> jax.Array:
     hd = config.head_dim
     inv_freq = 1.0 / (config.rope_theta ** (jnp.arange(0, hd, 2, dtype=jnp.float32) / hd))
+    if config.rope_freq_factors is not None:  # per-frequency divisors (GGUF rope_freqs), as llama.cpp applies them
+        return inv_freq / jnp.asarray(config.rope_freq_factors, jnp.float32)
     scaling = config.rope_scaling_dict
     if scaling:  # llama3: long wavelengths slowed by `factor`, a smooth ramp between the two cut-offs
         factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]

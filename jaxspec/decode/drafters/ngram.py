@@ -1,5 +1,6 @@
 """Prompt lookup on the device: the next drafts are what followed the latest earlier occurrence of the
-sequence's last n tokens (n from prompt_lookup_max down to prompt_lookup_min) in the token history.
+sequence's last n tokens (n from prompt_lookup_max down to prompt_lookup_min) in the token history; when
+that continuation reaches the present, it repeats with the period the match implies.
 
 It reads only the device history, so it works under async scheduling, where the host does not yet know
 the tokens the previous step accepted.
@@ -35,9 +36,11 @@ class NgramDrafter:
                 shifted = jnp.concatenate([hist[:, m:], jnp.full((R, m), -1, hist.dtype)], axis=1)
                 match &= shifted == suffix[:, m:m + 1]
             latest = jnp.max(jnp.where(match, start, -1), axis=1)       # [R]
-            cont = latest[:, None] + n + jnp.arange(k)                  # positions of the proposed tokens
-            proposal = jnp.where(cont < num_tokens[:, None],
-                                 jnp.take_along_axis(hist, jnp.clip(cont, 0, H - 1), 1), -1)
+            # The match says the sequence repeats with period `shift`; proposals that would run past the
+            # known tokens continue that period (what followed the match is what follows now).
+            shift = jnp.maximum(num_tokens - n - latest, 1)             # [R]
+            cont = latest[:, None] + n + jnp.arange(k)[None, :] % shift[:, None]
+            proposal = jnp.take_along_axis(hist, jnp.clip(cont, 0, H - 1), 1)
             hit = (latest >= 0) & ~found
             drafts = jnp.where(hit[:, None], proposal, drafts)
             found |= hit
