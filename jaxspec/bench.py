@@ -197,6 +197,27 @@ def steady_state(llm, args, batch: int) -> dict:
             "bucket_tokens": engine._bucket(batch * (1 + k))}
 
 
+def _speedup_bounds(results: list[dict]):
+    """For each speculative configuration with a steady-state measurement, the speedup its acceptance
+    length allows given the measured device step times (plain step vs step with drafting and verification
+    at the same batch): bound = acceptance_length * t_plain / t_spec; and how much of it the serving run's
+    output throughput reached (meaningful when --max-concurrency equals the steady-state batch)."""
+    plain = {r["label"]: r for r in results if "spec" not in r and "steady" in r}
+    for r in results:
+        base = plain.get(r["label"].split("+")[0])
+        if "spec" not in r or "steady" not in r or base is None:
+            continue
+        r["speedup_bound"] = []
+        for st, st0 in zip(r["steady"], base["steady"]):
+            bound = r["spec"]["mean_acceptance_length"] * st0["device_step_ms"] / st["device_step_ms"]
+            measured = r["output_throughput"] / base["output_throughput"]   # the serving run's speedup
+            r["speedup_bound"].append({"batch": st["batch"], "bound": bound, "measured": measured,
+                                       "of_bound": measured / bound})
+            print(f"{r['label']} batch {st['batch']}: speedup bound {bound:.2f}x (acceptance length "
+                  f"{r['spec']['mean_acceptance_length']:.2f} x plain {st0['device_step_ms']:.3f} ms / spec "
+                  f"{st['device_step_ms']:.3f} ms), measured {measured:.2f}x = {100 * measured / bound:.0f}% of it")
+
+
 # ---- report ------------------------------------------------------------------------------------------
 def print_report(r: dict):
     line = "=" * 60
@@ -325,6 +346,7 @@ def run(argv=None) -> list[dict]:
         print_report(res)
         results.append(res)
         del llm
+    _speedup_bounds(results)
     if len(results) > 1:
         base = results[0]["output_throughput"]
         print("Output tokens/s relative to " + results[0]["label"] + ": " +
