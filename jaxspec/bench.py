@@ -283,6 +283,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--max-num-batched-tokens", type=int, default=256)
+    p.add_argument("--attention", default="auto", choices=["auto", "pallas", "reference"],
+                   help="paged attention: the Pallas kernel or the jnp gather (auto: the kernel on a GPU)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
@@ -334,7 +336,7 @@ def run(argv=None) -> list[dict]:
         label = f"{'async' if async_mode else 'sync'}{'+' + sp['method'] if sp else ''}"
         llm = LLM(model, max_num_seqs=args.max_concurrency, max_model_len=args.max_model_len,
                   max_num_batched_tokens=args.max_num_batched_tokens, async_scheduling=async_mode,
-                  speculative_config=sp, seed=args.seed)
+                  speculative_config=sp, seed=args.seed, attention=args.attention)
         if args.profile and i == 0:
             import jax
             jax.profiler.start_trace(args.profile)

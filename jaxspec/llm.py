@@ -30,7 +30,8 @@ class LLM:
     def __init__(self, model=DEFAULT_MODEL, *, dtype: str = "auto", max_num_seqs: int = 16,
                  max_model_len: int | None = None, max_num_batched_tokens: int = 512, block_size: int = 16,
                  num_kv_blocks: int | None = None, kv_memory_fraction: float | None = None,
-                 async_scheduling: bool = True, speculative_config=None, warmup: bool = True, seed: int = 0):
+                 async_scheduling: bool = True, speculative_config=None, warmup: bool = True, seed: int = 0,
+                 attention: str = "auto", unroll_layers: bool | None = None):
         from jaxspec.models.loader import load_model
         from jaxspec.spec import SpeculativeConfig, build_drafter
 
@@ -42,7 +43,8 @@ class LLM:
         self.engine = Engine(self.model, EngineConfig(
             max_num_seqs=max_num_seqs, max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
             block_size=block_size, num_kv_blocks=num_kv_blocks, kv_memory_fraction=kv_memory_fraction,
-            async_scheduling=async_scheduling, warmup=warmup, seed=seed), drafter, drafter_params)
+            async_scheduling=async_scheduling, warmup=warmup, seed=seed, attention=attention,
+            unroll_layers=unroll_layers), drafter, drafter_params)
 
     # ---- prompts -----------------------------------------------------------------------------------
     def _encode(self, prompt) -> tuple[list[int], str | None]:

@@ -271,3 +271,23 @@ def test_qwen_coder_0_5b_drafts_for_1_5b_losslessly():
           f"{spec['mean_acceptance_length']:.2f}, acceptance rate {spec['acceptance_rate']:.2f}, "
           f"per position {np.round(spec['per_position_acceptance'], 2).tolist()}")
     assert spec["accepted_tokens"] > 0
+
+
+def test_unrolled_layers_and_pallas_attention_give_the_same_tokens():
+    """The GPU layout (unrolled fused layers, Pallas paged attention, interpreted here) for target and draft
+    model emits exactly what the CPU layout does, with the same drafts accepted."""
+    from conftest import random_model
+    target = random_model(11, vocab_size=96, max_position_embeddings=128)
+    draft = random_model(12, vocab_size=96, max_position_embeddings=128, base=target, noise=0.3)
+    prompts = [[5, 17, 33, 2, 8, 41, 9], [60, 61, 62, 1, 2, 3, 60, 61, 62, 1, 2]]
+    runs = []
+    for gpu_layout in (False, True):
+        llm = LLM(target, dtype="float32", max_num_seqs=2, max_model_len=64, max_num_batched_tokens=16,
+                  block_size=4, attention="pallas" if gpu_layout else "reference", unroll_layers=gpu_layout,
+                  speculative_config={"method": "draft_model", "model": draft, "num_speculative_tokens": 3})
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+        runs.append(([o.token_ids for o in outs], [o.metrics["num_accepted_tokens"] for o in outs]))
+        assert isinstance(llm.engine.params["layers"], list) == gpu_layout
+        assert isinstance(llm.engine.drafter_params["layers"], list) == gpu_layout
+    assert runs[0] == runs[1]
+    assert sum(runs[0][1]) > 0

@@ -54,6 +54,7 @@ class StepConfig:
     num_slots: int
     max_model_len: int
     num_spec_tokens: int = 0
+    attention: str = "reference"  # "pallas": the kernel that reads KV pages in place; "reference": jnp gather
 
     @property
     def history_len(self) -> int:

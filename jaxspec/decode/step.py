@@ -20,8 +20,8 @@ from jaxspec.decode.state import (
     DecodeState, StepConfig, StepInputs, unpack_inputs, ROW_SLOT, ROW_NUM_NEW, ROW_START, ROW_NUM_DRAFTS, ROW_FIRST_TOKEN,
     ROW_SAMPLE, ROW_PROMPT_LEN, ROW_SEED, ROW_TOP_K, ROW_MIN_TOKENS, ROW_LOGPROBS, ROW_TEMPERATURE, ROW_TOP_P,
     ROW_MIN_P, ROW_PRESENCE, ROW_FREQUENCY, ROW_REPETITION)
-from jaxspec.models.llama import ForwardBatch, forward, paged_attention
-from jaxspec.pallas.paged_attention import paged_attention_fn
+from jaxspec.models.llama import ForwardBatch, forward
+from jaxspec.pallas.paged_attention import attention_fn_for
 from jaxspec.pallas.slot_mapping import slot_mapping
 from jaxspec.sampling_params import MAX_LOGPROBS
 
@@ -109,7 +109,7 @@ def step(model_config, step_config: StepConfig, drafter, params, drafter_params,
     batch = ForwardBatch(ids, pos, kv_slots, token_row, inp.block_tables, logits_idx.reshape(-1))
     aux_layers = tuple(getattr(drafter, "aux_layers", ()))
     logits, hidden, aux, kv = forward(c, params, state.kv, batch, block_size=sc.block_size,
-                                      aux_layers=aux_layers, attention_fn=attention_fn())
+                                      aux_layers=aux_layers, attention_fn=attention_fn_for(sc.attention))
     raw_logits = logits.reshape(R, K + 1, V)
 
     # Sampling / verification.
@@ -172,14 +172,6 @@ def step(model_config, step_config: StepConfig, drafter, params, drafter_params,
                           num_tokens=state.num_tokens.at[slot].set(new_tokens),
                           num_computed=state.num_computed.at[slot].set(new_computed))
     return state, out
-
-
-def attention_fn():
-    """The Pallas kernel that reads the KV pages in place on a GPU; the jnp reference elsewhere (the
-    kernel's interpret mode is far slower on a CPU than the reference's gather)."""
-    if jax.default_backend() == "gpu":
-        return paged_attention_fn
-    return paged_attention
 
 
 def _draft_logprobs(state, slot, drafter):

@@ -41,6 +41,15 @@ class EngineConfig:
     async_scheduling: bool = True
     warmup: bool = True
     seed: int = 0
+    # Device-specific choices, measured on an H100 (docs/benchmarks.md); "auto" picks the GPU ones there.
+    attention: str = "auto"           # "pallas" (reads KV pages in place) or "reference" (jnp gather)
+    unroll_layers: bool | None = None  # one weight buffer per layer, unrolled (True) or stacked + scanned
+
+    def resolved(self) -> "EngineConfig":
+        gpu = jax.default_backend() == "gpu"
+        return dataclasses.replace(
+            self, attention=("pallas" if gpu else "reference") if self.attention == "auto" else self.attention,
+            unroll_layers=gpu if self.unroll_layers is None else self.unroll_layers)
 
     def validate(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
@@ -52,6 +61,8 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks={self.num_kv_blocks} is invalid; it must be >= 1")
         if self.kv_memory_fraction is not None and not 0 < self.kv_memory_fraction < 1:
             raise ValueError(f"kv_memory_fraction={self.kv_memory_fraction} is invalid; it must be in (0, 1)")
+        if self.attention not in ("auto", "pallas", "reference"):
+            raise ValueError(f"attention={self.attention!r} is invalid; choose 'auto', 'pallas' or 'reference'")
 
 
 @dataclasses.dataclass
@@ -65,10 +76,11 @@ class _InFlight:
 class Engine:
     def __init__(self, model, config: EngineConfig, drafter=None, drafter_params=None):
         config.validate()
+        config = config.resolved()
         self.model, self.config, self.tokenizer = model, config, model.tokenizer
-        # On a GPU the layers run unrolled with fused q/k/v and gate/up weights: each weight is its own
-        # buffer, read once by one matmul (scanning stacked weights copies each layer's slice first).
-        self.params = unstack_layers(model.params) if jax.default_backend() == "gpu" else model.params
+        # Unrolled layers with fused q/k/v and gate/up weights: each weight is its own buffer, read once by
+        # one matmul (on a GPU, scanning stacked weights copied each layer's slice first: 2x slower).
+        self.params = unstack_layers(model.params) if config.unroll_layers else model.params
         mc = model.config
         max_model_len = config.max_model_len or min(mc.max_position_embeddings, 4096)
         k = drafter.num_spec_tokens if drafter is not None else 0
@@ -77,12 +89,14 @@ class Engine:
         num_blocks = config.num_kv_blocks or self._default_num_blocks(config, mc, max_blocks, dtype)
         self.step_config = StepConfig(block_size=config.block_size, num_blocks=num_blocks,
                                       num_slots=config.max_num_seqs, max_model_len=max_model_len,
-                                      num_spec_tokens=k)
+                                      num_spec_tokens=k, attention=config.attention)
         self.blocks = BlockManager(num_blocks, config.block_size, config.max_num_seqs)
         self.scheduler = Scheduler(self.blocks, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    max_model_len=max_model_len, num_spec_tokens=k,
                                    draft_lookahead=k if getattr(drafter, "needs_kv_lookahead", False) else 0)
+        if drafter is not None and hasattr(drafter, "prepare_params"):
+            drafter_params = drafter.prepare_params(drafter_params, unroll_layers=config.unroll_layers)
         self.drafter, self.drafter_params = drafter, drafter_params
         drafter_state = drafter.init_state(self.step_config, dtype) if drafter is not None else None
         self.state = init_state(mc, self.step_config, dtype, drafter_state)

@@ -16,7 +16,8 @@ import jax.numpy as jnp
 
 from jaxspec.decode.drafters.common import (
     check_same_vocab, init_draft_logprobs, one_token_batch, pick_drafts)
-from jaxspec.models.llama import forward, init_kv_cache
+from jaxspec.models.llama import forward, init_kv_cache, unstack_layers
+from jaxspec.pallas.paged_attention import attention_fn_for
 
 
 class DraftModelDrafter:
@@ -28,9 +29,15 @@ class DraftModelDrafter:
         self.num_spec_tokens = num_spec_tokens
         self.draft_sampling = draft_sampling
         self.block_size = None  # set by init_state from the engine's step config
+        self.attention_fn = None
+
+    def prepare_params(self, params, unroll_layers: bool):
+        """The engine's weight layout for this device (see EngineConfig.unroll_layers)."""
+        return unstack_layers(params) if unroll_layers else params
 
     def init_state(self, step_config, dtype):
         self.block_size = step_config.block_size
+        self.attention_fn = attention_fn_for(step_config.attention)
         state = {"kv": init_kv_cache(self.config, step_config.num_blocks, step_config.block_size, dtype)}
         if self.draft_sampling == "sample":
             state["draft_logprobs"] = init_draft_logprobs(step_config, self.config.vocab_size)
@@ -42,7 +49,7 @@ class DraftModelDrafter:
         num_kv_slots = kv["k"].shape[1]
         # (a) the draft KV of this step's tokens; no logits are needed from this pass.
         step_batch = ctx.batch._replace(logits_indices=jnp.zeros((1,), jnp.int32))
-        _, _, _, kv = forward(c, params, kv, step_batch, block_size=bs)
+        _, _, _, kv = forward(c, params, kv, step_batch, block_size=bs, attention_fn=self.attention_fn)
 
         # (b) k autoregressive single-token forwards per row; rows that emitted nothing write nothing.
         first_tok = jnp.take_along_axis(ctx.emitted, ctx.num_accepted[:, None], axis=1)[:, 0]   # [R]
@@ -51,7 +58,8 @@ class DraftModelDrafter:
         def draft_one(carry, j):
             kv, tok, pos = carry
             batch = one_token_batch(tok, pos, ctx.sample_rows, ctx.batch.block_tables, bs, num_kv_slots)
-            logits, _, _, kv = forward(c, params, kv, batch, block_size=bs)                    # [R, V]
+            logits, _, _, kv = forward(c, params, kv, batch, block_size=bs,
+                                       attention_fn=self.attention_fn)                         # [R, V]
             draft, logprobs = pick_drafts(logits, ctx, j, self.draft_sampling)
             return (kv, draft, pos + 1), (draft, logprobs)
 
