@@ -70,7 +70,6 @@ class _InFlight:
     rows: list[ScheduledRow]
     out: dict
     want_logprobs: bool
-    dispatch_time: float
 
 
 class Engine:
@@ -109,7 +108,7 @@ class Engine:
         self._pending: _InFlight | None = None
         self.last_inputs: dict[int, jax.Array] = {}
         self._compiled_at_warmup: int | None = None
-        self.counters = {"steps": 0, "busy_rows": 0, "padded_tokens": 0, "scheduled_tokens": 0}
+        self.counters = {"steps": 0, "scheduled_rows": 0, "padded_tokens": 0, "scheduled_tokens": 0}
         self.spec_counters = {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0,
                               "accepted_per_position": np.zeros(max(k, 1), np.int64)}
         if config.warmup:
@@ -244,10 +243,10 @@ class Engine:
         for name in ("tokens",) + (("logprob", "top_ids", "top_logprobs") if want_logprobs else ()):
             out[name].copy_to_host_async()
         self.counters["steps"] += 1
-        self.counters["busy_rows"] += len(rows)
+        self.counters["scheduled_rows"] += len(rows)
         self.counters["scheduled_tokens"] += num_tokens
         self.counters["padded_tokens"] += T
-        return _InFlight(rows, out, want_logprobs, time.perf_counter())
+        return _InFlight(rows, out, want_logprobs)
 
     def _process(self, rec: _InFlight) -> list[Request]:
         tokens = np.asarray(rec.out["tokens"])         # [R, K+2]: emitted tokens, then the accepted count
@@ -311,6 +310,7 @@ class Engine:
             "token_buckets": list(self.token_buckets),
             "compiled_buckets": self.num_compiled(),
             "recompiles": max(0, self.num_compiled() - baseline) if self._compiled_at_warmup is not None else None,
+            "scheduled_rows": c["scheduled_rows"],
             "scheduled_tokens": c["scheduled_tokens"],
             "padded_tokens": c["padded_tokens"],
             "num_preemptions": self.scheduler.num_preemptions,
