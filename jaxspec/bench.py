@@ -114,20 +114,17 @@ def device_step_time(engine, num_tokens: int, repeats: int = 20) -> float:
     """Seconds one compiled step of this token bucket takes on the device, steps issued back to back.
 
     Replays the engine's last live inputs of that bucket (the same rows, slots and block tables, each
-    replay decoding one more token), or all-padding inputs if the bucket never ran."""
+    replay decoding one more token)."""
     import jax
-    from jaxspec.decode.state import empty_inputs, pack_inputs
     T = engine._bucket(num_tokens)
-    buf = engine.last_inputs.get(T)
-    if buf is None:
-        buf = jax.device_put(pack_inputs(empty_inputs(T, engine._rows_for(T), engine.step_config)))
-    fn = engine._steps[T]
+    if T not in engine.last_inputs:
+        raise ValueError(f"bucket {T} has not run a live step yet; nothing to replay")
     for _ in range(3):
-        engine.state, out = fn(engine.params, engine.drafter_params, engine.state, buf)
+        out = engine.replay_step(T)
     jax.block_until_ready(out["tokens"])
     t0 = time.perf_counter()
     for _ in range(repeats):
-        engine.state, out = fn(engine.params, engine.drafter_params, engine.state, buf)
+        out = engine.replay_step(T)
     jax.block_until_ready(out["tokens"])
     return (time.perf_counter() - t0) / repeats
 
@@ -166,34 +163,44 @@ def run_config(llm, workload: Workload, args, label: str) -> dict:
 def steady_state(llm, args, batch: int) -> dict:
     """Steady-state decode: `batch` requests all decoding; wall time per engine step vs device time."""
     from jaxspec import SamplingParams
+    from jaxspec.sched.request import Status
     engine = llm.engine
     vocab = engine.model.config.vocab_size
     rng = np.random.default_rng(args.seed)
     warm, timed = 8, args.steady_steps
-    n_tokens = warm + timed + 8
+    k = engine.step_config.num_spec_tokens
+    # Rows admitted first decode while later ones still prefill, so each may run for many steps before
+    # the timed window: allow them all the room the model length leaves (they are aborted afterwards).
+    max_tokens = engine.step_config.max_model_len - args.input_len - 2 * (k + 1)
+    if max_tokens < warm + timed + 8:
+        raise SystemExit(f"--steady-state needs --max-model-len >= input_len + {warm + timed + 8 + 2 * (k + 1)} "
+                         f"(got {engine.step_config.max_model_len})")
     reqs = [engine.add_request(rng.integers(0, vocab, args.input_len).tolist(),
-                               SamplingParams(temperature=0, max_tokens=n_tokens, ignore_eos=True))
+                               SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
             for _ in range(batch)]
-    while any(r.prefilling or r.status.value == "waiting" for r in reqs):
+    while any(r.status is Status.WAITING or r.prefilling for r in reqs):
         engine.step()
     for _ in range(warm):
         engine.step()
+    context_start = np.mean([r.num_tokens for r in reqs])
     t0 = time.perf_counter()
     for _ in range(timed):
         engine.step()
     wall = (time.perf_counter() - t0) / timed
     engine.flush()   # read the in-flight step before replaying its inputs
-    k = engine.step_config.num_spec_tokens
+    if any(r.finished for r in reqs):
+        raise SystemExit(f"--steady-state {batch}: a request finished before the timed steps ended; raise "
+                         f"--max-model-len or --max-num-batched-tokens")
+    context = int((context_start + np.mean([r.num_tokens for r in reqs])) / 2)
     device = device_step_time(engine, batch * (1 + k))
     for r in reqs:
         engine.abort(r.request_id)
     while engine.has_unfinished():
         engine.step()
-    context = args.input_len + n_tokens // 2
     bound = decode_bytes(engine, batch, context) / args.hbm_bandwidth
     return {"batch": batch, "async": engine.config.async_scheduling, "wall_step_ms": 1e3 * wall,
             "device_step_ms": 1e3 * device, "device_busy": min(1.0, device / wall),
-            "hbm_bound_ms": 1e3 * bound, "roofline_fraction": bound / device,
+            "hbm_bound_ms": 1e3 * bound, "roofline_fraction": bound / device, "mean_context": context,
             "bucket_tokens": engine._bucket(batch * (1 + k))}
 
 
@@ -271,7 +278,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--dtype", default="auto", help="auto (bfloat16 on GPU, float32 on CPU), bfloat16, float32")
     p.add_argument("--random-weights", action="store_true",
-                   help="the model's shapes with random weights (no checkpoint read beyond its config)")
+                   help="the model's (and draft model's) shapes with random weights: step times without "
+                        "the checkpoints (acceptance is meaningless)")
     p.add_argument("--spec-method", choices=["draft_model", "eagle", "eagle3", "ngram"])
     p.add_argument("--draft-model")
     p.add_argument("--num-spec-tokens", type=int, default=4)
@@ -327,6 +335,10 @@ def run(argv=None) -> list[dict]:
             if not args.draft_model:
                 raise SystemExit(f"--spec-method {args.spec_method} needs --draft-model")
             spec["model"] = args.draft_model
+            if args.random_weights and args.spec_method == "draft_model":   # the draft's shapes, random too
+                from jaxspec.models.random import random_model
+                spec["model"] = random_model(args.draft_model, dtype=model.params["embed"].dtype.name,
+                                             seed=args.seed + 1)
     workload = load_workload(args, model.tokenizer, model.config.vocab_size)
     configs = [(args.async_scheduling, spec)]
     if args.compare:

@@ -24,8 +24,8 @@ def main():
     a = p.parse_args()
     model = random_model(a.model, dtype="bfloat16")
     for async_mode in (False, True):
-        engine = Engine(model, EngineConfig(max_num_seqs=max(a.batches), max_model_len=512,
-                                            max_num_batched_tokens=64, async_scheduling=async_mode))
+        engine = Engine(model, EngineConfig(max_num_seqs=max(a.batches), max_model_len=512, warmup=False,
+                                            max_num_batched_tokens=256, async_scheduling=async_mode))
         for b in a.batches:
             rng = np.random.default_rng(0)
             reqs = [engine.add_request(rng.integers(0, 1000, 64).tolist(),
@@ -44,8 +44,9 @@ def main():
             wall = (time.perf_counter() - t0) / a.steps
             s = io.StringIO()
             pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(a.top)
+            pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(a.top)
             print(f"=== {'async' if async_mode else 'sync'} batch {b}: {1e3 * wall:.3f} ms per step (under cProfile)")
-            print("\n".join(line for line in s.getvalue().splitlines() if line.strip())[-(a.top + 2) * 200:])
+            print("\n".join(line for line in s.getvalue().splitlines() if line.strip()))
             for r in reqs:
                 engine.abort(r.request_id)
             while engine.has_unfinished():

@@ -21,7 +21,7 @@ def kernel_breakdown(trace_dir: str, steps: int, top: int = 25):
     from jax.profiler import ProfileData
     path = sorted(glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True))[-1]
     data = ProfileData.from_file(path)
-    totals, lines_seen = collections.Counter(), set()
+    totals, lines_seen, launches = collections.Counter(), set(), 0
     for plane in data.planes:
         if "GPU" not in plane.name:
             continue
@@ -31,51 +31,109 @@ def kernel_breakdown(trace_dir: str, steps: int, top: int = 25):
             lines_seen.add(line.name)
             for ev in line.events:
                 totals[ev.name] += ev.duration_ns
+                launches += 1
     total = sum(totals.values())
     print(f"device lines: {sorted(lines_seen)[:6]}; kernel time per step {total / steps / 1e3:.1f} us, "
-          f"{len(totals)} distinct kernels")
+          f"{len(totals)} distinct kernels, {launches / steps:.0f} per step")
     for name, ns in totals.most_common(top):
         print(f"  {ns / steps / 1e3:9.1f} us  {100 * ns / max(total, 1):5.1f}%  {name[:110]}")
+
+
+def busy_gaps(trace_dir: str, top: int = 6):
+    """GPU busy fraction of a traced window (union of kernel intervals over first start to last end) and
+    the largest idle gaps, each with the kernels on either side."""
+    from jax.profiler import ProfileData
+    path = sorted(glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True))[-1]
+    evs = []
+    for plane in ProfileData.from_file(path).planes:
+        if "GPU" not in plane.name:
+            continue
+        for line in plane.lines:
+            if "Stream" in line.name or "Kernel" in line.name:
+                evs += [(ev.start_ns, ev.end_ns, ev.name) for ev in line.events]
+    evs.sort()
+    if not evs:
+        return print("no device events in the trace")
+    busy, gaps, end, prev = 0, [], evs[0][0], evs[0][2]
+    for start, stop, name in evs:
+        if start > end:
+            gaps.append((start - end, prev, name))
+        busy += max(0, stop - max(start, end))
+        if stop > end:
+            end, prev = stop, name
+    window = end - evs[0][0]
+    print(f"live loop trace: device busy {100 * busy / window:.1f}% of {window / 1e6:.2f} ms; "
+          f"{len(gaps)} gaps, {sum(g for g, *_ in gaps) / 1e3:.0f} us idle")
+    for g, before, after in sorted(gaps, reverse=True)[:top]:
+        print(f"  gap {g / 1e3:8.1f} us  after {before[:50]}  before {after[:50]}")
 
 
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 32])
-    p.add_argument("--max-model-len", type=int, default=512)
+    p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--trace-dir", default="/tmp/jaxspec-trace")
     p.add_argument("--context", type=int, default=192, help="prompt tokens of each live decode row")
+    p.add_argument("--attention-splits", type=int, help="cap on the paged-attention context splits")
+    p.add_argument("--draft-model", help="profile the speculative step: this draft model's shapes, random")
+    p.add_argument("--num-spec-tokens", type=int, default=4)
     a = p.parse_args()
+    if a.attention_splits:
+        import jaxspec.pallas.paged_attention as pa
+        pa.MAX_SPLITS = a.attention_splits
     model = random_model(a.model, dtype="bfloat16")
     t0 = time.perf_counter()
+    drafter = drafter_params = None
+    if a.draft_model:
+        from jaxspec.spec import SpeculativeConfig, build_drafter
+        spec = SpeculativeConfig("draft_model", random_model(a.draft_model, dtype="bfloat16", seed=1),
+                                 a.num_spec_tokens)
+        drafter, drafter_params = build_drafter(spec, model)
+    k = a.num_spec_tokens if a.draft_model else 0
     engine = Engine(model, EngineConfig(max_num_seqs=max(a.batches), max_model_len=a.max_model_len,
-                                        max_num_batched_tokens=max(8, max(a.batches)), warmup=False))
+                                        max_num_batched_tokens=256, warmup=False), drafter, drafter_params)
     rows = []
     for b in a.batches:
         # Live decode rows (prompt of `--context` tokens) so the replayed step reads a real context.
         rng = np.random.default_rng(b)
         reqs = [engine.add_request(rng.integers(0, 1000, a.context).tolist(),
-                                   SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)) for _ in range(b)]
-        while any(r.prefilling or r.slot is None for r in reqs):
+                                   SamplingParams(temperature=0, max_tokens=a.max_model_len - a.context - 2,
+                                                  ignore_eos=True)) for _ in range(b)]
+        # Early rows decode while later ones prefill: they get the room max_model_len leaves.
+        while any(r.status.value == "waiting" or r.prefilling for r in reqs):
             engine.step()
-        for _ in range(4):
-            engine.step()
-        engine.flush()
-        step_s = device_step_time(engine, b)
-        T = engine._bucket(b)
-        fn, buf = engine._steps[T], engine.last_inputs[T]
+        for async_mode in (True, False):   # the engine's own loop: host planning and reading included
+            engine.config.async_scheduling = async_mode
+            for _ in range(4):
+                engine.step()
+            t0 = time.perf_counter()
+            for _ in range(20):
+                engine.step()
+            loop_ms = 1e3 * (time.perf_counter() - t0) / 20
+            engine.flush()
+            print(f"batch {b}: engine loop, {'async' if async_mode else 'sync'}: {loop_ms:.3f} ms per step", flush=True)
+            with jax.profiler.trace(f"{a.trace_dir}/loop{b}{'a' if async_mode else 's'}"):
+                for _ in range(8):
+                    engine.step()
+                engine.flush()
+            busy_gaps(f"{a.trace_dir}/loop{b}{'a' if async_mode else 's'}")
+        engine.config.async_scheduling = True
+        step_s = device_step_time(engine, b * (1 + k))
+        T = engine._bucket(b * (1 + k))
         jax.block_until_ready(engine.state.num_tokens)
         t0 = time.perf_counter()
         for _ in range(10):
-            engine.state, out = fn(engine.params, None, engine.state, buf)
+            out = engine.replay_step(T)
         launch_s = (time.perf_counter() - t0) / 10
         jax.block_until_ready(out["tokens"])
-        print(f"batch {b}: host time to launch one step {1e3 * launch_s:.3f} ms", flush=True)
+        print(f"batch {b}: host time to launch one step {1e3 * launch_s:.3f} ms; device step {1e3 * step_s:.3f} ms",
+              flush=True)
         bound = decode_bytes(engine, b, a.context + 8) / 2.98e12
-        rows.append((b, engine._bucket(b), 1e3 * step_s, 1e3 * bound))
+        rows.append((b, T, 1e3 * step_s, 1e3 * bound))
         with jax.profiler.trace(f"{a.trace_dir}/b{b}"):
             for _ in range(5):
-                engine.state, out = engine._steps[T](engine.params, None, engine.state, buf)
+                out = engine.replay_step(T)
             jax.block_until_ready(out["tokens"])
         print(f"--- batch {b} (T={T})")
         for r in reqs:

@@ -16,7 +16,9 @@ import pytest
 import jaxspec
 import jaxspec.sched.engine as engine_mod
 from jaxspec import LLM, SamplingParams
+from jaxspec.decode.step import StepVariant
 from jaxspec.models import llama
+from jaxspec.sched.engine import WARM_VARIANTS
 
 MAX_MODEL_LEN = 128                      # the tiny model's max_position_embeddings
 TINY = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=MAX_MODEL_LEN, num_kv_blocks=64)
@@ -174,11 +176,23 @@ def test_recompiles_zero_after_several_buckets(llm_async, monkeypatch):
     used = []
     orig = llm_async.engine._bucket
     monkeypatch.setattr(llm_async.engine, "_bucket", lambda n: used.append(orig(n)) or used[-1])
-    run(llm_async, PROMPTS, greedy_params())
+    compiled = llm_async.engine.num_compiled()
+    for params in (greedy_params(), [SamplingParams(temperature=0.7, seed=i, max_tokens=m) for i, m in enumerate(MAXT)]):
+        run(llm_async, PROMPTS, params)
     assert len(set(used)) >= 3, used
-    s = llm_async.stats()
-    assert s["recompiles"] == 0
-    assert s["compiled_buckets"] == len(s["token_buckets"])
+    assert llm_async.engine.num_compiled() == compiled   # greedy and plain sampling: warmed at start-up
+    assert llm_async.stats()["compiled_steps"] >= len(WARM_VARIANTS) * len(llm_async.stats()["token_buckets"])
+
+
+def test_step_variant_follows_the_sampling_params():
+    """The host picks the compiled step from the rows' SamplingParams; the device never branches."""
+    of = StepVariant.of
+    assert of([SamplingParams(temperature=0), SamplingParams(temperature=1e-6)]) == StepVariant()
+    assert of([SamplingParams(temperature=0), SamplingParams(temperature=0.5)]) == StepVariant(sample=True)
+    assert of([SamplingParams(temperature=0, top_k=5)]) == StepVariant()    # top-k of a greedy row: no sort
+    assert of([SamplingParams(temperature=1, top_p=0.9)]) == StepVariant(sample=True, top_k_top_p=True)
+    assert of([SamplingParams(temperature=0, presence_penalty=0.1)]) == StepVariant(penalties=True)
+    assert of([SamplingParams(temperature=0, logprobs=2)]) == StepVariant(logprobs=True)
 
 
 # ---- hazard 1: host staging buffers --------------------------------------------------------------

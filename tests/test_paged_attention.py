@@ -7,8 +7,10 @@ from jaxspec.models import llama
 from jaxspec.pallas.paged_attention import paged_attention
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("num_kv_heads,group,head_dim,block_size", [(2, 3, 16, 4), (1, 1, 8, 8), (3, 6, 32, 4)])
-def test_kernel_matches_reference(num_kv_heads, group, head_dim, block_size):
+def test_kernel_matches_reference(num_kv_heads, group, head_dim, block_size, num_splits):
+    """One split per token, and the context split over programs (some splits empty: short rows)."""
     rng = np.random.default_rng(num_kv_heads * 100 + group)
     layers, num_blocks, T, R, MB = 2, 24, 9, 4, 5
     pool = lambda: jnp.asarray(rng.standard_normal((layers, num_blocks * block_size, num_kv_heads, head_dim)),  # noqa: E731
@@ -24,7 +26,7 @@ def test_kernel_matches_reference(num_kv_heads, group, head_dim, block_size):
     batch = llama.ForwardBatch(None, jnp.asarray(positions), None, jnp.asarray(rows), jnp.asarray(tables), None)
     for layer in range(layers):
         out = paged_attention(q, k_pool, v_pool, jnp.int32(layer), batch.positions, batch.row_of_token,
-                              batch.block_tables, block_size=block_size, interpret=True)
+                              batch.block_tables, block_size=block_size, num_splits=num_splits, interpret=True)
         ref = llama.paged_attention(q, k_pool, v_pool, layer, batch, block_size)
         np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5)
 
@@ -51,13 +53,14 @@ def test_forward_with_kernel_matches_reference_forward():
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-4, atol=1e-4)
 
 
-def test_padding_tokens_visit_no_page_and_stay_finite():
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_padding_tokens_visit_no_page_and_stay_finite(num_splits):
     rng = np.random.default_rng(3)
     k_pool = jnp.asarray(rng.standard_normal((1, 32, 1, 8)), jnp.float32)
     q = jnp.asarray(rng.standard_normal((4, 2, 8)), jnp.float32)
     out = paged_attention(q, k_pool, k_pool, jnp.int32(0), jnp.array([3, -1, 5, -1], jnp.int32),
                           jnp.zeros(4, jnp.int32), jnp.arange(8, dtype=jnp.int32).reshape(1, 8), block_size=4,
-                          interpret=True)
+                          num_splits=num_splits, interpret=True)
     out = np.asarray(out).reshape(4, 2, 8)
     assert np.isfinite(out).all()
     assert np.all(out[[1, 3]] == 0)

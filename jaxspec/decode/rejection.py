@@ -49,13 +49,14 @@ def _recovered_tokens(target_logprobs, draft_ids_c, valid, draft_logprobs, gumbe
 
 
 def rejection_sample(target_logprobs, is_greedy, draft_ids, draft_logprobs, num_drafts, keys,
-                     *, use_kernel: bool = True, interpret: bool | None = None):
+                     *, all_greedy: bool = False, use_kernel: bool = True, interpret: bool | None = None):
     """Verify drafts against the target -> (output_tokens i32[R, K+1] padded with -1, num_accepted i32[R]).
 
     target_logprobs f32[R, K+1, V]: processed log-probs (-inf where masked).
     is_greedy bool[R]; draft_ids i32[R, K] (may be invalid); draft_logprobs f32[R, K, V] or None
     (argmax drafts: q is a point mass); num_drafts i32[R] in 0..K; keys: one PRNG key per row.
     Row r emits output_tokens[r, :num_accepted[r] + 1].
+    all_greedy=True: the caller knows every row is greedy, so no random draws are made.
     use_kernel=False uses the pure-jnp reference instead of the Pallas kernel.
     """
     target_logprobs = jnp.asarray(target_logprobs, jnp.float32)
@@ -83,10 +84,10 @@ def rejection_sample(target_logprobs, is_greedy, draft_ids, draft_logprobs, num_
         uniforms, gumbel = _per_row_randoms(keys, k, v)
         return uniforms, _recovered_tokens(target_logprobs, d, valid, draft_logprobs, gumbel)
 
-    def greedy_path():  # every row greedy (common serving case): no draws over the vocabulary
+    def greedy_path():  # every row greedy (the caller knows): no draws over the vocabulary
         return jnp.zeros((r, k), jnp.float32), target_argmax
 
-    uniforms, recovered = jax.lax.cond(jnp.all(is_greedy), greedy_path, random_path)
+    uniforms, recovered = greedy_path() if all_greedy else random_path()
 
     fn = acceptance if use_kernel else acceptance_reference
     kwargs = {"interpret": interpret} if use_kernel else {}

@@ -23,6 +23,11 @@ import numpy as np
 GREEDY_EPS = 1e-5
 
 
+def is_random(temperature: float) -> bool:
+    """Whether a row with this temperature samples (the host's copy of the device's greedy test)."""
+    return not float(np.float32(temperature)) < GREEDY_EPS
+
+
 @flax.struct.dataclass
 class SamplingTensors:
     """Per-row sampling parameters (a pytree of [N] arrays)."""
@@ -116,12 +121,12 @@ def _top_k_top_p_threshold(x: jax.Array, top_k: jax.Array, top_p: jax.Array) -> 
     return jnp.maximum(kth, cut)
 
 
-def processed_logprobs(logits: jax.Array, st: SamplingTensors) -> jax.Array:
+def processed_logprobs(logits: jax.Array, st: SamplingTensors, top_k_top_p: bool = True) -> jax.Array:
     """Log-probabilities of the distribution actually sampled from -> f32[N, V].
 
     Random rows: logits / temperature, then top-k, top-p, min-p (masked entries -inf),
     renormalised. Greedy rows: log_softmax of the unscaled logits (argmax = greedy token).
-    Ties at a top-k/top-p threshold are kept.
+    Ties at a top-k/top-p threshold are kept. top_k_top_p=False: no row uses them (the sort is skipped).
     """
     logits = jnp.asarray(logits, jnp.float32)
     temperature = jnp.asarray(st.temperature, jnp.float32)
@@ -132,13 +137,12 @@ def processed_logprobs(logits: jax.Array, st: SamplingTensors) -> jax.Array:
 
     x = logits / jnp.where(greedy, 1.0, temperature)[:, None]
 
-    # The sort is the expensive part: skip it for batches where no row uses top-k/top-p.
-    needs_sort = jnp.any((top_k > 0) | (top_p < 1.0))
-    thresh = jax.lax.cond(
-        needs_sort,
-        lambda: _top_k_top_p_threshold(x, top_k, top_p),
-        lambda: jnp.full((x.shape[0], 1), -jnp.inf, x.dtype),
-    )
+    # The sort is the expensive part: callers that know no row uses top-k/top-p skip it (a static
+    # choice: a data-dependent branch would make a GPU host wait for the device mid-step).
+    if top_k_top_p:
+        thresh = _top_k_top_p_threshold(x, top_k, top_p)
+    else:
+        thresh = jnp.full((x.shape[0], 1), -jnp.inf, x.dtype)
     x = jnp.where(x >= thresh, x, -jnp.inf)
 
     # min-p: keep p >= min_p * p_max, i.e. x >= x_max + log(min_p). It is last, and the ratio

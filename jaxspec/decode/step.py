@@ -5,6 +5,11 @@ target forward over the scheduled tokens (prefill chunks, decode tokens, drafts 
   -> state updated.
 Positions, input ids and the KV slot mapping come from the device's own counts, so the host can plan a
 step before it knows the previous step's accepted tokens.
+
+The step never branches on device data: on a GPU each data-dependent branch makes the host wait for the
+device in the middle of launching a step. What the rows need beyond greedy decoding (random draws,
+top-k/top-p, penalties, logprobs) the host knows from their SamplingParams; it is a `StepVariant`, and
+each variant in use is its own compiled step.
 """
 from __future__ import annotations
 
@@ -27,6 +32,26 @@ from jaxspec.sampling_params import MAX_LOGPROBS
 
 
 @dataclasses.dataclass(frozen=True)
+class StepVariant:
+    """Work a step does beyond greedy decoding, decided on the host from the scheduled rows."""
+    sample: bool = False        # some row draws at random (temperature > 0)
+    top_k_top_p: bool = False   # some random row truncates by top-k or top-p (a vocabulary sort)
+    penalties: bool = False     # some row has presence / frequency / repetition penalties
+    logprobs: bool = False      # some row asks for logprobs
+
+    @staticmethod
+    def of(params_list) -> "StepVariant":
+        """The variant covering the SamplingParams of the rows that sample this step."""
+        random = [p for p in params_list if sampling.is_random(p.temperature)]
+        return StepVariant(
+            sample=bool(random),
+            top_k_top_p=any(p.top_k > 0 or p.top_p < 1.0 for p in random),
+            penalties=any(p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1
+                          for p in params_list),
+            logprobs=any(p.logprobs is not None for p in params_list))
+
+
+@dataclasses.dataclass(frozen=True)
 class DraftContext:
     """What a drafter sees of this step (all device arrays; R rows, T tokens, K drafts)."""
     batch: ForwardBatch        # the target's batch: ids, positions, slot mapping, rows, block tables
@@ -43,6 +68,7 @@ class DraftContext:
     num_new: Any               # i32[R]
     sampling: sampling.SamplingTensors
     keys: Any                  # per-row PRNG keys for drafts drawn by sampling
+    variant: StepVariant = StepVariant()
 
 
 def _sampling_tensors(inp: StepInputs) -> sampling.SamplingTensors:
@@ -73,7 +99,8 @@ def _penalize(logits, history, slot, prompt_len, base, draft_ids, st, vocab_size
 
 
 def step(model_config, step_config: StepConfig, drafter, params, drafter_params, state: DecodeState,
-         inp: StepInputs):
+         inp: StepInputs, variant: StepVariant = StepVariant(sample=True, top_k_top_p=True, penalties=True,
+                                                                logprobs=True)):
     c, sc = model_config, step_config
     K = sc.num_spec_tokens
     V = c.vocab_size
@@ -115,11 +142,10 @@ def step(model_config, step_config: StepConfig, drafter, params, drafter_params,
     # Sampling / verification.
     st = _sampling_tensors(inp)
     base = start + num_new - num_drafts            # position of the first token this step emits
-    any_penalty = jnp.any((st.presence_penalty != 0) | (st.frequency_penalty != 0) |
-                          (st.repetition_penalty != 1))
-    logits = jax.lax.cond(any_penalty,
-                          lambda x: _penalize(x, history, slot, prompt_len, base, draft_ids, st, V),
-                          lambda x: x, raw_logits)
+    if variant.penalties:
+        logits = _penalize(raw_logits, history, slot, prompt_len, base, draft_ids, st, V)
+    else:
+        logits = raw_logits
     # min_tokens: stop ids cannot be drawn while the output is shorter.
     generated = base[:, None] + jnp.arange(K + 1)[None, :] - prompt_len[:, None]            # [R, K+1]
     too_short = generated < rows[ROW_MIN_TOKENS][:, None]
@@ -127,22 +153,23 @@ def step(model_config, step_config: StepConfig, drafter, params, drafter_params,
     stop_hit = jnp.zeros((R, V), bool).at[jnp.arange(R)[:, None], jnp.where(stop_ok, inp.stop_ids, V)].set(
         True, mode="drop")
     logits = jnp.where(too_short[..., None] & stop_hit[:, None, :], -jnp.inf, logits)
-    idx = jnp.repeat(jnp.arange(R), K + 1)
-    all_greedy = jnp.all(st.is_greedy)
-    # An all-greedy batch needs only the argmax: skip the vocabulary-wide softmax and noise.
-    logprobs = jax.lax.cond(
-        all_greedy, lambda x: x,
-        lambda x: sampling.processed_logprobs(x.reshape(R * (K + 1), V), st.take(idx)).reshape(R, K + 1, V),
-        logits)
     keys = sampling.row_keys(rows[ROW_SEED].astype(jnp.uint32), base)
+    if variant.sample:
+        idx = jnp.repeat(jnp.arange(R), K + 1)
+        logprobs = sampling.processed_logprobs(logits.reshape(R * (K + 1), V), st.take(idx),
+                                               variant.top_k_top_p).reshape(R, K + 1, V)
+    else:   # every sampling row is greedy: the argmax of the logits is all that is needed
+        logprobs = logits
     if K == 0:
-        emitted = jax.lax.cond(
-            all_greedy, lambda x: jnp.argmax(x[:, 0], axis=-1).astype(jnp.int32),
-            lambda x: sampling.sample(x[:, 0], st.is_greedy, keys), logprobs)[:, None]
+        if variant.sample:
+            emitted = sampling.sample(logprobs[:, 0], st.is_greedy, keys)[:, None]
+        else:
+            emitted = jnp.argmax(logprobs[:, 0], axis=-1).astype(jnp.int32)[:, None]
         num_accepted = jnp.zeros((R,), jnp.int32)
     else:
         emitted, num_accepted = rejection_sample(
-            logprobs, st.is_greedy, draft_ids, _draft_logprobs(state, slot, drafter), num_drafts, keys)
+            logprobs, st.is_greedy, draft_ids, _draft_logprobs(state, slot, drafter), num_drafts, keys,
+            all_greedy=not variant.sample)
     emitted = jnp.where(sample_rows[:, None], emitted, -1)
 
     # Authoritative counts: accepted drafts extend the KV; emitted tokens extend the history.
@@ -155,16 +182,15 @@ def step(model_config, step_config: StepConfig, drafter, params, drafter_params,
 
     # One array back to the host per step: emitted tokens and the accepted count in the last column.
     out = {"tokens": jnp.concatenate([emitted, num_accepted[:, None]], axis=1)}
-    want_logprobs = jnp.any(rows[ROW_LOGPROBS] > 0)
-    out.update(jax.lax.cond(
-        want_logprobs, lambda: _logprobs(raw_logits, emitted), lambda: _no_logprobs(R, K + 1)))
+    if variant.logprobs:
+        out.update(_logprobs(raw_logits, emitted))
 
     drafts, drafter_state = state.drafts, state.drafter
     if K:
         ctx = DraftContext(batch=batch, token_valid=valid, hidden=hidden, aux_hidden=aux, history=history,
                            slot=slot, num_tokens=new_tokens, emitted=emitted, num_accepted=num_accepted,
                            sample_rows=sample_rows, first_token=inp.rows[ROW_FIRST_TOKEN], num_new=num_new,
-                           sampling=st, keys=jax.vmap(jax.random.fold_in, (0, None))(keys, 1))
+                           sampling=st, keys=jax.vmap(jax.random.fold_in, (0, None))(keys, 1), variant=variant)
         drafter_state, new_drafts = drafter.propose(drafter_params, drafter_state, ctx)
         drafts = drafts.at[slot].set(new_drafts.astype(jnp.int32))
 
@@ -189,15 +215,11 @@ def _logprobs(raw_logits, emitted):
             "top_logprobs": top_lp.reshape(R, K1, MAX_LOGPROBS)}
 
 
-def _no_logprobs(R, K1):
-    return {"logprob": jnp.zeros((R, K1), jnp.float32), "top_ids": jnp.zeros((R, K1, MAX_LOGPROBS), jnp.int32),
-            "top_logprobs": jnp.zeros((R, K1, MAX_LOGPROBS), jnp.float32)}
-
-
-def make_step(model_config, step_config: StepConfig, drafter, num_tokens: int, num_rows: int):
-    """The jitted step of one bucket, taking the packed host buffer; the state is donated (the KV pool
-    is updated in place)."""
+def make_step(model_config, step_config: StepConfig, drafter, num_tokens: int, num_rows: int,
+              variant: StepVariant = StepVariant()):
+    """The jitted step of one bucket and variant, taking the packed host buffer; the state is donated
+    (the KV pool is updated in place)."""
     def packed_step(params, drafter_params, state, buf):
         inp = unpack_inputs(buf, num_tokens, num_rows, step_config.max_blocks_per_seq)
-        return step(model_config, step_config, drafter, params, drafter_params, state, inp)
+        return step(model_config, step_config, drafter, params, drafter_params, state, inp, variant)
     return jax.jit(packed_step, donate_argnums=(2,))

@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 from jaxspec.decode.state import (
     ROW_FIRST_TOKEN, ROW_LOGPROBS, ROW_MIN_TOKENS, ROW_NUM_DRAFTS, ROW_NUM_NEW, ROW_PROMPT_LEN, ROW_SAMPLE,
     ROW_SEED, ROW_SLOT, ROW_START, ROW_TOP_K, MAX_STOP_IDS, StepConfig, empty_inputs, init_state, pack_inputs)
-from jaxspec.decode.step import make_step
+from jaxspec.decode.step import StepVariant, make_step
 from jaxspec.models.llama import unstack_layers
 from jaxspec.sampling_params import SamplingParams
 from jaxspec.sched.block_manager import BlockManager
@@ -28,6 +28,9 @@ from jaxspec.sched.request import Request, Status
 from jaxspec.sched.scheduler import ScheduledRow, Scheduler
 
 MIN_TOKEN_BUCKET = 8
+# Compiled for every bucket at warm-up: greedy rows only, and rows that sample (no top-k/top-p, penalties
+# or logprobs). Other variants compile the first time a step needs them (counted in stats()["recompiles"]).
+WARM_VARIANTS = (StepVariant(), StepVariant(sample=True))
 
 
 @dataclasses.dataclass
@@ -101,12 +104,12 @@ class Engine:
         self.state = init_state(mc, self.step_config, dtype, drafter_state)
         cap = max(config.max_num_batched_tokens, MIN_TOKEN_BUCKET)
         self.token_buckets = [b for b in (MIN_TOKEN_BUCKET << i for i in range(32)) if b < cap] + [cap]
-        self._steps = {T: make_step(mc, self.step_config, drafter, T, self._rows_for(T)) for T in self.token_buckets}
+        self._steps: dict[tuple[int, StepVariant], object] = {}
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._rng = np.random.default_rng(config.seed)
         self._pending: _InFlight | None = None
-        self.last_inputs: dict[int, jax.Array] = {}
+        self.last_inputs: dict[int, tuple[StepVariant, jax.Array]] = {}
         self._compiled_at_warmup: int | None = None
         self.counters = {"steps": 0, "scheduled_rows": 0, "padded_tokens": 0, "scheduled_tokens": 0}
         self.spec_counters = {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0,
@@ -201,15 +204,32 @@ class Engine:
         return next(b for b in self.token_buckets if b >= num_tokens)
 
     def _rows_for(self, num_tokens: int) -> int:
-        return min(num_tokens, self.config.max_num_seqs)  # a step has at most one row per token
+        # A step has at most one row per token. At least MIN_TOKEN_BUCKET rows even when max_num_seqs is
+        # smaller: with a single row the logits matmul has one row, which XLA runs as a slow
+        # matrix-vector product on a GPU (measured: +0.9 ms per step at Qwen2.5-1.5B's vocabulary).
+        return min(num_tokens, max(self.config.max_num_seqs, MIN_TOKEN_BUCKET))
 
-    def _run_step(self, T: int, host_inputs: dict[str, np.ndarray]) -> dict:
+    def _step_fn(self, T: int, variant: StepVariant):
+        fn = self._steps.get((T, variant))
+        if fn is None:
+            fn = self._steps[(T, variant)] = make_step(self.model.config, self.step_config, self.drafter, T,
+                                                       self._rows_for(T), variant)
+        return fn
+
+    def _run_step(self, T: int, variant: StepVariant, host_inputs: dict[str, np.ndarray]) -> dict:
         # One transfer of a buffer built for this step alone and never touched again: on the CPU backend
         # the transfer may read host memory after this call returns (even with may_alias=False), so a
         # reused staging buffer would need double-buffering.
         buf = jax.device_put(pack_inputs(host_inputs), may_alias=False)
-        self.state, out = self._steps[T](self.params, self.drafter_params, self.state, buf)
-        self.last_inputs[T] = buf  # kept for benchmarks that replay a live step on the device
+        self.state, out = self._step_fn(T, variant)(self.params, self.drafter_params, self.state, buf)
+        self.last_inputs[T] = (variant, buf)  # kept for benchmarks that replay a live step on the device
+        return out
+
+    def replay_step(self, T: int) -> dict:
+        """Runs bucket T's last live inputs again (benchmarks: the device time of a real step). Each replay
+        advances the same rows by one more token; abort those requests afterwards."""
+        variant, buf = self.last_inputs[T]
+        self.state, out = self._step_fn(T, variant)(self.params, self.drafter_params, self.state, buf)
         return out
 
     def _dispatch(self, rows: list[ScheduledRow]) -> _InFlight:
@@ -219,7 +239,7 @@ class Engine:
         h = empty_inputs(T, self._rows_for(T), sc)
         tokens, ri, rf = h["tokens"], h["rows"], h["rows_f"]
         t = 0
-        want_logprobs = False
+        variant = StepVariant.of([row.request.params for row in rows if row.sample])
         for r, row in enumerate(rows):
             req, n = row.request, row.num_new
             p = req.params
@@ -237,16 +257,15 @@ class Engine:
             if p.min_tokens and req.stop_ids_for_min_tokens:
                 h["stop_ids"][r, :len(req.stop_ids_for_min_tokens)] = req.stop_ids_for_min_tokens
             h["block_tables"][r, :len(req.block_ids)] = req.block_ids
-            want_logprobs |= p.logprobs is not None
             t += n
-        out = self._run_step(T, h)
-        for name in ("tokens",) + (("logprob", "top_ids", "top_logprobs") if want_logprobs else ()):
+        out = self._run_step(T, variant, h)
+        for name in ("tokens",) + (("logprob", "top_ids", "top_logprobs") if variant.logprobs else ()):
             out[name].copy_to_host_async()
         self.counters["steps"] += 1
         self.counters["scheduled_rows"] += len(rows)
         self.counters["scheduled_tokens"] += num_tokens
         self.counters["padded_tokens"] += T
-        return _InFlight(rows, out, want_logprobs)
+        return _InFlight(rows, out, variant.logprobs)
 
     def _process(self, rec: _InFlight) -> list[Request]:
         tokens = np.asarray(rec.out["tokens"])         # [R, K+2]: emitted tokens, then the accepted count
@@ -292,10 +311,13 @@ class Engine:
 
     # ---- compilation and stats ---------------------------------------------------------------------
     def warmup(self):
-        """Compile the step for every token bucket (all-padding inputs touch only the trash slot)."""
+        """Compile the step for every token bucket and warm variant (all-padding inputs touch only the
+        trash slot)."""
         sc = self.step_config
-        for T in tqdm(self.token_buckets, desc="compiling step buckets", leave=False):
-            self._run_step(T, empty_inputs(T, self._rows_for(T), sc))
+        todo = [(T, v) for T in self.token_buckets for v in WARM_VARIANTS]
+        for T, variant in tqdm(todo, desc="compiling steps", leave=False):
+            self._run_step(T, variant, empty_inputs(T, self._rows_for(T), sc))
+        self.last_inputs.clear()
         jax.block_until_ready(self.state.num_tokens)
         self._compiled_at_warmup = self.num_compiled()
 
@@ -308,7 +330,7 @@ class Engine:
         out = {
             "steps": c["steps"],
             "token_buckets": list(self.token_buckets),
-            "compiled_buckets": self.num_compiled(),
+            "compiled_steps": self.num_compiled(),   # (bucket, variant) pairs compiled so far
             "recompiles": max(0, self.num_compiled() - baseline) if self._compiled_at_warmup is not None else None,
             "scheduled_rows": c["scheduled_rows"],
             "scheduled_tokens": c["scheduled_tokens"],

@@ -50,7 +50,7 @@ def pick_drafts(logits, ctx, j, draft_sampling: str):
     """
     if draft_sampling == "argmax":
         return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
-    logprobs = sampling.processed_logprobs(logits, ctx.sampling)                     # [R, V]
+    logprobs = sampling.processed_logprobs(logits, ctx.sampling, ctx.variant.top_k_top_p)  # [R, V]
     keys = jax.vmap(jax.random.fold_in, (0, None))(ctx.keys, j)
     return sampling.sample(logprobs, ctx.sampling.is_greedy, keys), logprobs
 
