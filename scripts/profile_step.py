@@ -68,6 +68,47 @@ def busy_gaps(trace_dir: str, top: int = 6):
         print(f"  gap {g / 1e3:8.1f} us  after {before[:50]}  before {after[:50]}")
 
 
+def phase_times(engine, steps: int = 40) -> str:
+    """The async loop of Engine.step with each phase timed on the host: planning, building the inputs,
+    copying them over and issuing the step's kernels (launch), waiting for the previous step's output,
+    processing it."""
+    acc = collections.Counter()
+    clock = time.perf_counter
+    run_step = engine._run_step
+
+    def timed_run_step(*args):
+        t = clock()
+        out = run_step(*args)
+        acc["launch"] += clock() - t
+        return out
+
+    engine._run_step = timed_run_step
+    t_start = clock()
+    for _ in range(steps):
+        t0 = clock()
+        rows = engine.scheduler.schedule()
+        if not rows:
+            break
+        t1 = clock()
+        rec = engine._dispatch(rows)
+        t2 = clock()
+        pending, engine._pending = engine._pending, rec
+        if pending is not None:
+            pending.out["tokens"].block_until_ready()
+            t3 = clock()
+            engine._process(pending)
+            acc["wait"] += t3 - t2
+            acc["process"] += clock() - t3
+        acc["schedule"] += t1 - t0
+        acc["dispatch"] += t2 - t1
+    wall = clock() - t_start
+    engine.flush()
+    del engine._run_step
+    acc["dispatch"] -= acc["launch"]
+    return (f"{1e3 * wall / steps:.3f} ms per step: " +
+            ", ".join(f"{k} {1e3 * v / steps:.3f}" for k, v in acc.items()))
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
@@ -119,6 +160,7 @@ def main():
                 engine.flush()
             busy_gaps(f"{a.trace_dir}/loop{b}{'a' if async_mode else 's'}")
         engine.config.async_scheduling = True
+        print(f"batch {b}: async loop phases (host ms per step): {phase_times(engine)}", flush=True)
         step_s = device_step_time(engine, b * (1 + k))
         T = engine._bucket(b * (1 + k))
         jax.block_until_ready(engine.state.num_tokens)

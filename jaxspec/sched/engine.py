@@ -19,6 +19,10 @@ from tqdm.auto import tqdm
 from jaxspec.decode.state import (
     ROW_FIRST_TOKEN, ROW_LOGPROBS, ROW_MIN_TOKENS, ROW_NUM_DRAFTS, ROW_NUM_NEW, ROW_PROMPT_LEN, ROW_SAMPLE,
     ROW_SEED, ROW_SLOT, ROW_START, ROW_TOP_K, MAX_STOP_IDS, StepConfig, empty_inputs, init_state, pack_inputs)
+
+# `_dispatch` writes each row's ints in this order: the step's own, then the request's fixed ones.
+assert (ROW_SLOT, ROW_NUM_NEW, ROW_START, ROW_NUM_DRAFTS, ROW_FIRST_TOKEN, ROW_SAMPLE, ROW_PROMPT_LEN, ROW_SEED,
+        ROW_TOP_K, ROW_MIN_TOKENS, ROW_LOGPROBS) == tuple(range(11))
 from jaxspec.decode.step import StepVariant, make_step
 from jaxspec.models.llama import unstack_layers
 from jaxspec.sampling_params import SamplingParams
@@ -141,7 +145,12 @@ class Engine:
             self.model.config.eos_token_ids)
         req = Request(request_id, list(prompt_token_ids), params, seed, eos, prompt=prompt)
         stop_ids = ([] if params.ignore_eos else list(eos)) + params.stop_token_ids
-        req.stop_ids_for_min_tokens = stop_ids[:MAX_STOP_IDS]
+        req.min_tokens_stop_ids = stop_ids[:MAX_STOP_IDS] if params.min_tokens else []
+        # The step's per-row inputs that stay fixed for the request's life (see decode/state.py).
+        req.row_ints = (len(req.prompt_token_ids), int(np.int64(seed).astype(np.uint32).view(np.int32)),
+                        max(params.top_k, 0), params.min_tokens, int(params.logprobs is not None))
+        req.row_floats = (params.temperature, params.top_p, params.min_p, params.presence_penalty,
+                          params.frequency_penalty, params.repetition_penalty)
         self.requests[request_id] = req
         self.scheduler.add(req)
         return req
@@ -217,12 +226,15 @@ class Engine:
         return fn
 
     def _run_step(self, T: int, variant: StepVariant, host_inputs: dict[str, np.ndarray]) -> dict:
+        """Copies the inputs over, issues the step, starts copying its tokens back."""
         # One transfer of a buffer built for this step alone and never touched again: on the CPU backend
         # the transfer may read host memory after this call returns (even with may_alias=False), so a
         # reused staging buffer would need double-buffering.
         buf = jax.device_put(pack_inputs(host_inputs), may_alias=False)
         self.state, out = self._step_fn(T, variant)(self.params, self.drafter_params, self.state, buf)
         self.last_inputs[T] = (variant, buf)  # kept for benchmarks that replay a live step on the device
+        for name in ("tokens",) + (("logprob", "top_ids", "top_logprobs") if variant.logprobs else ()):
+            out[name].copy_to_host_async()
         return out
 
     def replay_step(self, T: int) -> dict:
@@ -234,43 +246,39 @@ class Engine:
 
     def _dispatch(self, rows: list[ScheduledRow]) -> _InFlight:
         sc = self.step_config
-        num_tokens = sum(r.num_new for r in rows)
+        num_new = [row.num_new for row in rows]
+        num_tokens = sum(num_new)
         T = self._bucket(num_tokens)
         h = empty_inputs(T, self._rows_for(T), sc)
-        tokens, ri, rf = h["tokens"], h["rows"], h["rows_f"]
-        t = 0
-        variant = StepVariant.of([row.request.params for row in rows if row.sample])
+        n = len(rows)
+        first = np.cumsum([0] + num_new[:-1])                  # each row's first token in the step
+        counts = np.asarray(num_new, np.int64)
+        tokens = h["tokens"]
+        tokens[1, :num_tokens] = np.repeat(np.arange(n), counts)
+        tokens[2, :num_tokens] = np.arange(num_tokens) - np.repeat(first, counts)
+        h["rows"][:, :n] = np.array([(row.request.slot, row.num_new, row.start, row.num_drafts, f, row.sample)
+                                     + row.request.row_ints for row, f in zip(rows, first.tolist())]).T
+        h["rows_f"][:, :n] = np.array([row.request.row_floats for row in rows], np.float32).T
         for r, row in enumerate(rows):
-            req, n = row.request, row.num_new
-            p = req.params
-            tokens[1, t:t + n] = r
-            tokens[2, t:t + n] = np.arange(n)
+            req = row.request
             if row.token_ids:
-                tokens[0, t:t + n] = row.token_ids
-            ri[[ROW_SLOT, ROW_NUM_NEW, ROW_START, ROW_NUM_DRAFTS, ROW_FIRST_TOKEN, ROW_SAMPLE, ROW_PROMPT_LEN,
-                ROW_SEED, ROW_TOP_K, ROW_MIN_TOKENS, ROW_LOGPROBS], r] = (
-                req.slot, n, row.start, row.num_drafts, t, int(row.sample), len(req.prompt_token_ids),
-                np.int64(req.seed).astype(np.uint32).view(np.int32), max(p.top_k, 0), p.min_tokens,
-                int(p.logprobs is not None))
-            rf[:, r] = (p.temperature, p.top_p, p.min_p, p.presence_penalty, p.frequency_penalty,
-                        p.repetition_penalty)
-            if p.min_tokens and req.stop_ids_for_min_tokens:
-                h["stop_ids"][r, :len(req.stop_ids_for_min_tokens)] = req.stop_ids_for_min_tokens
+                tokens[0, first[r]:first[r] + row.num_new] = row.token_ids
+            if req.min_tokens_stop_ids:
+                h["stop_ids"][r, :len(req.min_tokens_stop_ids)] = req.min_tokens_stop_ids
             h["block_tables"][r, :len(req.block_ids)] = req.block_ids
-            t += n
+        variant = StepVariant.of([row.request.params for row in rows if row.sample])
         out = self._run_step(T, variant, h)
-        for name in ("tokens",) + (("logprob", "top_ids", "top_logprobs") if variant.logprobs else ()):
-            out[name].copy_to_host_async()
         self.counters["steps"] += 1
-        self.counters["scheduled_rows"] += len(rows)
+        self.counters["scheduled_rows"] += n
         self.counters["scheduled_tokens"] += num_tokens
         self.counters["padded_tokens"] += T
         return _InFlight(rows, out, variant.logprobs)
 
     def _process(self, rec: _InFlight) -> list[Request]:
-        tokens = np.asarray(rec.out["tokens"])         # [R, K+2]: emitted tokens, then the accepted count
+        out = rec.out
+        tokens = np.asarray(out["tokens"])             # [R, K+2]: emitted tokens, then the accepted count
         accepted = tokens[:, -1]
-        lp = {k: np.asarray(rec.out[k]) for k in ("logprob", "top_ids", "top_logprobs")} if rec.want_logprobs else None
+        lp = {k: np.asarray(out[k]) for k in ("logprob", "top_ids", "top_logprobs")} if rec.want_logprobs else None
         updated = []
         for r, row in enumerate(rec.rows):
             req = row.request

@@ -22,7 +22,9 @@ class Request:
     seed: int                       # resolved seed: the device derives every random draw from it
     eos_token_ids: tuple[int, ...]
     prompt: str | None = None
-    stop_ids_for_min_tokens: list[int] = dataclasses.field(default_factory=list)  # masked until min_tokens
+    min_tokens_stop_ids: list[int] = dataclasses.field(default_factory=list)  # masked until min_tokens
+    row_ints: tuple = ()            # the step's fixed per-row ints: prompt length, seed, top-k, min_tokens, logprobs
+    row_floats: tuple = ()          # temperature, top-p, min-p, presence, frequency, repetition penalties
     arrival_time: float = dataclasses.field(default_factory=time.perf_counter)
 
     status: Status = Status.WAITING
