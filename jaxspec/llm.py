@@ -7,7 +7,7 @@ from tqdm.auto import tqdm
 
 from jaxspec.sampling_params import SamplingParams
 from jaxspec.sched.engine import Engine, EngineConfig
-from jaxspec.sched.output import RequestOutput, request_metrics
+from jaxspec.sched.output import RequestOutput, final_text, request_metrics
 from jaxspec.sched.request import Request
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -112,6 +112,8 @@ class LLM:
     def stream(self, prompts, sampling_params=None) -> Iterator[RequestOutput]:
         """Yields per-request deltas (new text and token ids) as the engine confirms them."""
         reqs = self._add(prompts, sampling_params)
+        for req in reqs:
+            req.stream_text = True
         sent = {id(r): (0, 0) for r in reqs}
         pending = set(sent)
         try:
@@ -154,7 +156,7 @@ class LLM:
         n_tok, n_chr = delta_from or (0, 0)
         return RequestOutput(
             request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
-            text=req.text[n_chr:text_end], token_ids=req.output_token_ids[n_tok:], finished=req.finished,
+            text=final_text(req, self.tokenizer)[n_chr:text_end], token_ids=req.output_token_ids[n_tok:], finished=req.finished,
             finish_reason=req.finish_reason,
             logprobs=req.logprobs[n_tok:] if req.params.logprobs is not None else None,
             metrics=request_metrics(req))

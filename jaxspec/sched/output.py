@@ -51,17 +51,34 @@ def append_tokens(req: Request, tokens, tokenizer, max_model_len: int, logprobs=
     if req.first_token_time is None and new_ids:
         req.first_token_time = now
     old_text = req.text
-    if tokenizer is not None:
-        ids = req.output_token_ids
-        if req.finish_reason == "stop" and ids and (ids[-1] in req.eos_token_ids or ids[-1] in p.stop_token_ids):
-            ids = ids[:-1]  # the stop token itself is not part of the text
-        _detokenize(req, tokenizer, ids)
+    if tokenizer is not None and (req.stream_text or p.stop):
+        _detokenize(req, tokenizer, _text_ids(req))
         if p.stop and len(req.output_token_ids) >= p.min_tokens:
             hit = _first_stop(req.text, p.stop, max(0, len(old_text) - max(map(len, p.stop))))
             if hit is not None:
                 req.text = req.text[:hit]
                 req.finish_reason = "stop"
+    elif tokenizer is not None and req.finish_reason:
+        # Nobody reads this request's text before it finishes (no stream, no stop strings): one
+        # decode at the end instead of a few tokens every step.
+        req.text = tokenizer.decode(_text_ids(req), skip_special_tokens=True)
     return new_ids, req.text[len(old_text):] if req.text.startswith(old_text) else req.text
+
+
+def _text_ids(req: Request) -> list[int]:
+    """The output ids that make up the text: a final stop token is not part of it."""
+    ids, p = req.output_token_ids, req.params
+    if req.finish_reason == "stop" and ids and (ids[-1] in req.eos_token_ids or ids[-1] in p.stop_token_ids):
+        return ids[:-1]
+    return ids
+
+
+def final_text(req: Request, tokenizer) -> str:
+    """The request's text, decoded now if it finished (e.g. aborted) before its text was rendered."""
+    if tokenizer is not None and req.finished and not req.text and req.output_token_ids and not (
+            req.stream_text or req.params.stop):
+        req.text = tokenizer.decode(_text_ids(req), skip_special_tokens=True)
+    return req.text
 
 
 def _detokenize(req: Request, tokenizer, ids: list[int]):

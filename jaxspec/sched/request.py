@@ -43,6 +43,7 @@ class Request:
 
     # output processing
     text: str = ""
+    stream_text: bool = False        # render the text every step (a stream reads it as it grows)
     detok_prefix: int = 0            # incremental detokenization window over output_token_ids
     detok_read: int = 0
     logprobs: list = dataclasses.field(default_factory=list)
