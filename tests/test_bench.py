@@ -22,3 +22,23 @@ def test_compare_matrix_on_sharegpt_writes_json(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "Output token throughput (tok/s)" in printed and "Acceptance length" in printed
     assert "relative to sync" in printed
+
+
+def test_steady_state_reports_bubble_roofline_and_speedup_bound(tmp_path):
+    """--steady-state: every row decoding while timed; device-busy fraction, roofline and, with
+    speculation, the speedup bound from the measured step times."""
+    out = tmp_path / "steady.json"
+    rc = main(["--model", "smollm2-135m-instruct", "--random-weights", "--dtype", "float32", "--num-prompts", "2",
+               "--input-len", "16", "--output-len", "4", "--max-concurrency", "2", "--max-model-len", "96",
+               "--max-num-batched-tokens", "16", "--steady-state", "1", "2", "--steady-steps", "3",
+               "--spec-method", "ngram", "--num-spec-tokens", "2", "--compare", "--json", str(out), "--quiet"])
+    assert rc == 0
+    results = json.loads(out.read_text())
+    for r in results:
+        assert [st["batch"] for st in r["steady"]] == [1, 2]
+        for st in r["steady"]:
+            assert st["device_step_ms"] > 0 and st["wall_step_ms"] > 0 and 0 < st["device_busy"] <= 1
+            assert 0 < st["roofline_fraction"] and st["mean_context"] > 16   # the rows kept decoding
+    for r in results[2:]:
+        assert [b["batch"] for b in r["speedup_bound"]] == [1, 2]
+        assert all(b["bound"] > 0 and b["of_bound"] > 0 for b in r["speedup_bound"])
