@@ -46,7 +46,7 @@ for dtype, tol in [(jnp.float32, 2e-3), (jnp.bfloat16, 3e-2)]:
         batch = llama.ForwardBatch(None, jnp.asarray(pos), None, jnp.asarray(rows), jnp.asarray(tables), None)
         ref = llama.paged_attention(q.astype(jnp.float32), k_pool.astype(jnp.float32), v_pool.astype(jnp.float32),
                                     1, batch, bs)
-        for splits in (1, 3, None):
+        for splits in (1, 3):
             out = paged_attention(q, k_pool, v_pool, jnp.int32(1), batch.positions, batch.row_of_token,
                                   batch.block_tables, block_size=bs, num_splits=splits)
             err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref)) / jnp.max(jnp.abs(ref)))

@@ -116,13 +116,13 @@ def main():
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--trace-dir", default="/tmp/jaxspec-trace")
     p.add_argument("--context", type=int, default=192, help="prompt tokens of each live decode row")
-    p.add_argument("--attention-splits", type=int, help="cap on the paged-attention context splits")
+    p.add_argument("--attention-splits", type=int, help="paged-attention context splits (default: NUM_SPLITS)")
     p.add_argument("--draft-model", help="profile the speculative step: this draft model's shapes, random")
     p.add_argument("--num-spec-tokens", type=int, default=4)
     a = p.parse_args()
     if a.attention_splits:
         import jaxspec.pallas.paged_attention as pa
-        pa.MAX_SPLITS = a.attention_splits
+        pa.NUM_SPLITS = a.attention_splits
     model = random_model(a.model, dtype="bfloat16")
     t0 = time.perf_counter()
     drafter = drafter_params = None

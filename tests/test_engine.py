@@ -186,13 +186,15 @@ def test_recompiles_zero_after_several_buckets(llm_async, monkeypatch):
 
 def test_step_variant_follows_the_sampling_params():
     """The host picks the compiled step from the rows' SamplingParams; the device never branches."""
-    of = StepVariant.of
-    assert of([SamplingParams(temperature=0), SamplingParams(temperature=1e-6)]) == StepVariant()
-    assert of([SamplingParams(temperature=0), SamplingParams(temperature=0.5)]) == StepVariant(sample=True)
-    assert of([SamplingParams(temperature=0, top_k=5)]) == StepVariant()    # top-k of a greedy row: no sort
-    assert of([SamplingParams(temperature=1, top_p=0.9)]) == StepVariant(sample=True, top_k_top_p=True)
-    assert of([SamplingParams(temperature=0, presence_penalty=0.1)]) == StepVariant(penalties=True)
-    assert of([SamplingParams(temperature=0, logprobs=2)]) == StepVariant(logprobs=True)
+    def of(*params):
+        return StepVariant.union([StepVariant.of(p) for p in params])
+    assert of(SamplingParams(temperature=0), SamplingParams(temperature=1e-6)) == StepVariant()
+    assert of(SamplingParams(temperature=0), SamplingParams(temperature=0.5)) == StepVariant(sample=True)
+    assert of(SamplingParams(temperature=0, top_k=5)) == StepVariant()    # top-k of a greedy row: no sort
+    assert of(SamplingParams(temperature=1, top_p=0.9)) == StepVariant(sample=True, top_k_top_p=True)
+    assert of(SamplingParams(temperature=0, presence_penalty=0.1)) == StepVariant(penalties=True)
+    assert of(SamplingParams(temperature=0, logprobs=2)) == StepVariant(logprobs=True)
+    assert of() == StepVariant()
 
 
 # ---- hazard 1: host staging buffers --------------------------------------------------------------

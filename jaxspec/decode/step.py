@@ -23,7 +23,7 @@ from jaxspec.decode import sampling
 from jaxspec.decode.rejection import rejection_sample
 from jaxspec.decode.state import (
     DecodeState, StepConfig, StepInputs, unpack_inputs, ROW_SLOT, ROW_NUM_NEW, ROW_START, ROW_NUM_DRAFTS, ROW_FIRST_TOKEN,
-    ROW_SAMPLE, ROW_PROMPT_LEN, ROW_SEED, ROW_TOP_K, ROW_MIN_TOKENS, ROW_LOGPROBS, ROW_TEMPERATURE, ROW_TOP_P,
+    ROW_SAMPLE, ROW_PROMPT_LEN, ROW_SEED, ROW_TOP_K, ROW_MIN_TOKENS, ROW_TEMPERATURE, ROW_TOP_P,
     ROW_MIN_P, ROW_PRESENCE, ROW_FREQUENCY, ROW_REPETITION)
 from jaxspec.models.llama import ForwardBatch, forward
 from jaxspec.pallas.paged_attention import attention_fn_for
@@ -40,15 +40,19 @@ class StepVariant:
     logprobs: bool = False      # some row asks for logprobs
 
     @staticmethod
-    def of(params_list) -> "StepVariant":
-        """The variant covering the SamplingParams of the rows that sample this step."""
-        random = [p for p in params_list if sampling.is_random(p.temperature)]
+    def of(p) -> "StepVariant":
+        """What one request's SamplingParams need."""
+        random = sampling.is_random(p.temperature)
         return StepVariant(
-            sample=bool(random),
-            top_k_top_p=any(p.top_k > 0 or p.top_p < 1.0 for p in random),
-            penalties=any(p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1
-                          for p in params_list),
-            logprobs=any(p.logprobs is not None for p in params_list))
+            sample=random, top_k_top_p=random and (p.top_k > 0 or p.top_p < 1.0),
+            penalties=p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1,
+            logprobs=p.logprobs is not None)
+
+    @staticmethod
+    def union(variants) -> "StepVariant":
+        """The variant covering all of these (a step's, from the rows that sample in it)."""
+        flags = [dataclasses.astuple(v) for v in variants]
+        return StepVariant(*(any(f) for f in zip(*flags))) if flags else StepVariant()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,8 +103,7 @@ def _penalize(logits, history, slot, prompt_len, base, draft_ids, st, vocab_size
 
 
 def step(model_config, step_config: StepConfig, drafter, params, drafter_params, state: DecodeState,
-         inp: StepInputs, variant: StepVariant = StepVariant(sample=True, top_k_top_p=True, penalties=True,
-                                                                logprobs=True)):
+         inp: StepInputs, variant: StepVariant):
     c, sc = model_config, step_config
     K = sc.num_spec_tokens
     V = c.vocab_size

@@ -23,10 +23,10 @@ from jax.experimental.pallas import triton as plgpu
 
 _MIN_ROWS = 16  # the matrix unit's smallest tile
 PAGES_PER_ITER = 4  # pages each loop iteration loads at once (4 x 16 keys)
-# Context splits a decode step uses at most. Measured on an H100 (docs/benchmarks.md): at ~200-token
-# contexts 8 splits cost 80 us more per step than 1 (two merge kernels per layer, each split a single
-# iteration), so splitting is off by default; long contexts are where it pays.
-MAX_SPLITS = 1
+# Context splits the engine's attention uses. Measured on an H100 (docs/benchmarks.md), per layer: 1 vs 8
+# splits 2.6 vs 4.0 us at 200-token contexts, 3.5 vs 2.4 us at 1000, 6.6 vs 2.8 us at 2500. The decode
+# contexts benchmarked here are 150-300 tokens, so one split.
+NUM_SPLITS = 1
 
 
 def _next_pow2(x: int) -> int:
@@ -92,19 +92,12 @@ def _merge_splits(o, m, l):
     return jnp.einsum("tsh,tshd->thd", weight, o) / total[..., None]
 
 
-def default_num_splits(num_tokens: int, num_kv_heads: int, max_iters: int) -> int:
-    """Context splits for a step of `num_tokens`: enough programs to fill the GPU when the step has few
-    tokens (decode), one split when the tokens alone fill it (prefill)."""
-    want = -(-256 // max(1, num_tokens * num_kv_heads))
-    return int(max(1, min(MAX_SPLITS, want, max_iters)))
-
-
 @functools.partial(jax.jit, static_argnames=("block_size", "num_splits", "interpret"))
 def paged_attention(q, k_pool, v_pool, layer, positions, row_of_token, block_tables, *, block_size: int,
-                    num_splits: int | None = None, interpret: bool | None = None):
+                    num_splits: int = 1, interpret: bool | None = None):
     """q [T, Hq, hd]; k_pool/v_pool [L, S, Hkv, hd]; layer: i32 scalar; positions, row_of_token [T];
     block_tables [R, MB] (-1: no block). Each token attends to its row's keys at positions <= its own.
-    num_splits: programs sharing one token's context (None: `default_num_splits`). -> [T, Hq*hd]."""
+    num_splits: programs sharing one token's context. -> [T, Hq*hd]."""
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     T, Hq, hd = q.shape
@@ -122,7 +115,7 @@ def paged_attention(q, k_pool, v_pool, layer, positions, row_of_token, block_tab
     MBp = -(-MB // P) * P
     if MBp != MB:
         block_tables = jnp.pad(block_tables, ((0, 0), (0, MBp - MB)), constant_values=-1)
-    NS = num_splits or default_num_splits(T, Hkv, MBp // P)
+    NS = num_splits
     kernel = functools.partial(_kernel, block_size=block_size, max_blocks=MB, scale=hd ** -0.5, group=G,
                                q_block_shape=(G16, hd), pages_per_iter=P, num_splits=NS)
     whole = lambda shape: pl.BlockSpec(shape, lambda t, h, s: (0,) * len(shape))  # noqa: E731
@@ -155,7 +148,7 @@ def paged_attention_fn(q, k_pool, v_pool, layer, batch, block_size: int):
     past the pool) get position -1, so their programs visit no page."""
     positions = jnp.where(batch.slot_mapping < k_pool.shape[1], batch.positions, -1)
     return paged_attention(q, k_pool, v_pool, jnp.asarray(layer, jnp.int32), positions, batch.row_of_token,
-                           batch.block_tables, block_size=block_size)
+                           batch.block_tables, block_size=block_size, num_splits=NUM_SPLITS)
 
 
 def attention_fn_for(kind: str):

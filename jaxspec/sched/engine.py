@@ -17,12 +17,8 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxspec.decode.state import (
-    ROW_FIRST_TOKEN, ROW_LOGPROBS, ROW_MIN_TOKENS, ROW_NUM_DRAFTS, ROW_NUM_NEW, ROW_PROMPT_LEN, ROW_SAMPLE,
-    ROW_SEED, ROW_SLOT, ROW_START, ROW_TOP_K, MAX_STOP_IDS, StepConfig, empty_inputs, init_state, pack_inputs)
-
-# `_dispatch` writes each row's ints in this order: the step's own, then the request's fixed ones.
-assert (ROW_SLOT, ROW_NUM_NEW, ROW_START, ROW_NUM_DRAFTS, ROW_FIRST_TOKEN, ROW_SAMPLE, ROW_PROMPT_LEN, ROW_SEED,
-        ROW_TOP_K, ROW_MIN_TOKENS, ROW_LOGPROBS) == tuple(range(11))
+    ROW_FIRST_TOKEN, ROW_MIN_TOKENS, ROW_NUM_DRAFTS, ROW_NUM_NEW, ROW_PROMPT_LEN, ROW_SAMPLE,
+    ROW_SEED, ROW_SLOT, ROW_START, ROW_TOP_K, MAX_STOP_IDS, NUM_ROW_INTS, StepConfig, empty_inputs, init_state, pack_inputs)
 from jaxspec.decode.step import StepVariant, make_step
 from jaxspec.models.llama import unstack_layers
 from jaxspec.sampling_params import SamplingParams
@@ -30,6 +26,10 @@ from jaxspec.sched.block_manager import BlockManager
 from jaxspec.sched.output import append_tokens
 from jaxspec.sched.request import Request, Status
 from jaxspec.sched.scheduler import ScheduledRow, Scheduler
+
+# `_dispatch` writes each row's ints in this order: the step's own, then the request's fixed ones.
+assert (ROW_SLOT, ROW_NUM_NEW, ROW_START, ROW_NUM_DRAFTS, ROW_FIRST_TOKEN, ROW_SAMPLE, ROW_PROMPT_LEN, ROW_SEED,
+        ROW_TOP_K, ROW_MIN_TOKENS) == tuple(range(NUM_ROW_INTS))
 
 MIN_TOKEN_BUCKET = 8
 # Compiled for every bucket at warm-up: greedy rows only, and rows that sample (no top-k/top-p, penalties
@@ -148,7 +148,8 @@ class Engine:
         req.min_tokens_stop_ids = stop_ids[:MAX_STOP_IDS] if params.min_tokens else []
         # The step's per-row inputs that stay fixed for the request's life (see decode/state.py).
         req.row_ints = (len(req.prompt_token_ids), int(np.int64(seed).astype(np.uint32).view(np.int32)),
-                        max(params.top_k, 0), params.min_tokens, int(params.logprobs is not None))
+                        max(params.top_k, 0), params.min_tokens)
+        req.step_variant = StepVariant.of(params)
         req.row_floats = (params.temperature, params.top_p, params.min_p, params.presence_penalty,
                           params.frequency_penalty, params.repetition_penalty)
         self.requests[request_id] = req
@@ -266,7 +267,7 @@ class Engine:
             if req.min_tokens_stop_ids:
                 h["stop_ids"][r, :len(req.min_tokens_stop_ids)] = req.min_tokens_stop_ids
             h["block_tables"][r, :len(req.block_ids)] = req.block_ids
-        variant = StepVariant.of([row.request.params for row in rows if row.sample])
+        variant = StepVariant.union([row.request.step_variant for row in rows if row.sample])
         out = self._run_step(T, variant, h)
         self.counters["steps"] += 1
         self.counters["scheduled_rows"] += n

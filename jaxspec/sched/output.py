@@ -58,10 +58,8 @@ def append_tokens(req: Request, tokens, tokenizer, max_model_len: int, logprobs=
             if hit is not None:
                 req.text = req.text[:hit]
                 req.finish_reason = "stop"
-    elif tokenizer is not None and req.finish_reason:
-        # Nobody reads this request's text before it finishes (no stream, no stop strings): one
-        # decode at the end instead of a few tokens every step.
-        req.text = tokenizer.decode(_text_ids(req), skip_special_tokens=True)
+    else:
+        final_text(req, tokenizer)
     return new_ids, req.text[len(old_text):] if req.text.startswith(old_text) else req.text
 
 
@@ -74,8 +72,9 @@ def _text_ids(req: Request) -> list[int]:
 
 
 def final_text(req: Request, tokenizer) -> str:
-    """The request's text, decoded now if it finished (e.g. aborted) before its text was rendered."""
-    if tokenizer is not None and req.finished and not req.text and req.output_token_ids and not (
+    """The request's text. Nobody reads it before the request ends unless it is streamed or has stop
+    strings (those render it every step), so otherwise it is decoded once, when the request ends."""
+    if tokenizer is not None and req.finish_reason and not req.text and req.output_token_ids and not (
             req.stream_text or req.params.stop):
         req.text = tokenizer.decode(_text_ids(req), skip_special_tokens=True)
     return req.text

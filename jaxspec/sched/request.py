@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import time
+from typing import Any
 
 from jaxspec.sampling_params import SamplingParams
 
@@ -23,8 +24,9 @@ class Request:
     eos_token_ids: tuple[int, ...]
     prompt: str | None = None
     min_tokens_stop_ids: list[int] = dataclasses.field(default_factory=list)  # masked until min_tokens
-    row_ints: tuple = ()            # the step's fixed per-row ints: prompt length, seed, top-k, min_tokens, logprobs
+    row_ints: tuple = ()            # the step's fixed per-row ints: prompt length, seed, top-k, min_tokens
     row_floats: tuple = ()          # temperature, top-p, min-p, presence, frequency, repetition penalties
+    step_variant: Any = None        # decode.step.StepVariant: what this request needs of a compiled step
     arrival_time: float = dataclasses.field(default_factory=time.perf_counter)
 
     status: Status = Status.WAITING
