@@ -10,6 +10,7 @@ import argparse
 import codecs
 import dataclasses
 import gzip
+import hashlib
 import json
 import sys
 import time
@@ -154,6 +155,9 @@ def run_config(llm, workload: Workload, args, label: str) -> dict:
         "itl_ms": {"mean": 1e3 * np.mean(itl) if itl else float("nan"),
                    "median": 1e3 * np.median(itl) if itl else float("nan"), "p99": 1e3 * _pct(itl, 99)},
         "recompiles": engine.stats()["recompiles"],
+        # Which tokens came out (configurations that must agree, e.g. sync and async greedy, compare this)
+        "output_digest": hashlib.sha256(np.asarray([t for o in outs for t in [-1, *o.token_ids]],
+                                                   np.int64).tobytes()).hexdigest()[:16],
     }
     if "spec" in engine.stats():
         res["spec"] = engine.stats()["spec"]

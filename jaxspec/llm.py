@@ -1,6 +1,7 @@
 """`LLM` and `generate`: the public entry points, shaped like vLLM's offline API."""
 from __future__ import annotations
 
+import numbers
 from typing import Iterator
 
 from tqdm.auto import tqdm
@@ -47,34 +48,45 @@ class LLM:
             unroll_layers=unroll_layers), drafter, drafter_params)
 
     # ---- prompts -----------------------------------------------------------------------------------
-    def _encode(self, prompt) -> tuple[list[int], str | None]:
+    def _encode(self, prompt, index: int = 0) -> tuple[list[int], str | None]:
+        """One prompt -> (token ids, text or None). A ValueError names the prompt and what is wrong with it."""
+        where = f"prompt {index}"
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer: pass token-id lists instead of strings")
+                raise ValueError(f"{where} is a string, but this model has no tokenizer: pass token-id lists")
+            _check_text(prompt, where)
             return self.tokenizer.encode(prompt, add_special_tokens=True), prompt
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            return [int(t) for t in prompt["prompt_token_ids"]], None
+            return _token_ids(prompt["prompt_token_ids"], where), None
         if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
-            text = self.apply_chat_template(prompt)
+            text = self.apply_chat_template(prompt, where=where)
             return self.tokenizer.encode(text, add_special_tokens=False), text
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) or hasattr(t, "__index__") for t in prompt):
-            return [int(t) for t in prompt], None
-        raise ValueError(f"a prompt must be a string, a list of token ids or a list of chat messages; "
-                         f"got {type(prompt).__name__}")
+        if isinstance(prompt, (list, tuple)):
+            return _token_ids(prompt, where), None
+        raise ValueError(f"{where} is {_show(prompt)}: a prompt must be a string, a list of token ids, "
+                         "{'prompt_token_ids': [...]} or a list of chat messages")
 
-    def apply_chat_template(self, messages: list[dict]) -> str:
+    def apply_chat_template(self, messages: list[dict], where: str = "the conversation") -> str:
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer, so it has no chat template")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise ValueError(f"{where}: message {i} is {_show(m)}; every chat message needs a string 'role' "
+                                 "and a string 'content'")
+            _check_text(m["content"], f"{where}: message {i}'s content")
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
 
     @staticmethod
     def _as_list(prompts) -> list:
-        if isinstance(prompts, str) or (isinstance(prompts, dict)):
+        if isinstance(prompts, (str, dict)):
             return [prompts]
-        if isinstance(prompts, (list, tuple)) and prompts and (
-                all(isinstance(t, int) for t in prompts) or all(isinstance(m, dict) and "role" in m for m in prompts)):
-            return [prompts]  # one token-id prompt, or one conversation
-        return list(prompts)
+        if isinstance(prompts, (list, tuple)):
+            if prompts and (all(_is_token_id(t) for t in prompts) or
+                            all(isinstance(m, dict) and "role" in m for m in prompts)):
+                return [prompts]  # one token-id prompt, or one conversation
+            return list(prompts)
+        raise ValueError(f"prompts is {_show(prompts)}: give a string, a list of token ids, a list of chat "
+                         "messages, or a list of those")
 
     def _add(self, prompts, sampling_params) -> list[Request]:
         prompts = self._as_list(prompts)
@@ -83,7 +95,7 @@ class LLM:
         params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts; give one, or one each")
-        encoded = [self._encode(p) for p in prompts]
+        encoded = [self._encode(p, i) for i, p in enumerate(prompts)]
         for (ids, _), sp in zip(encoded, params):   # every request is checked before any is queued
             self.engine.validate_request(ids, sp)
         return [self.engine.add_request(ids, sp, prompt=text) for (ids, text), sp in zip(encoded, params)]
@@ -110,19 +122,20 @@ class LLM:
         return [self._output(r) for r in reqs]
 
     def stream(self, prompts, sampling_params=None) -> Iterator[RequestOutput]:
-        """Yields per-request deltas (new text and token ids) as the engine confirms them."""
+        """Yields per-request deltas (new text and token ids) as the engine confirms them. The stream ends
+        when its requests end, whoever ends them (this loop, another call driving the engine, an abort)."""
         reqs = self._add(prompts, sampling_params)
         for req in reqs:
             req.stream_text = True
         sent = {id(r): (0, 0) for r in reqs}
-        pending = set(sent)
+        pending = list(reqs)
         try:
             while pending:
-                for req in self.engine.step():
-                    if id(req) not in pending:
-                        continue
+                if not any(self._has_news(r, sent[id(r)]) for r in pending):
+                    self.engine.step()
+                for req in list(pending):
                     n_tok, n_chr = sent[id(req)]
-                    if len(req.output_token_ids) == n_tok and not req.finished:
+                    if not self._has_news(req, (n_tok, n_chr)):
                         continue
                     # Hold back the last len(longest stop string) - 1 characters while running: a stop
                     # string completed by a later token may start inside them, and the final text is
@@ -131,13 +144,17 @@ class LLM:
                     n_chr_now = max(n_chr, len(req.text) - hold)
                     sent[id(req)] = (len(req.output_token_ids), n_chr_now)
                     if req.finished:
-                        pending.discard(id(req))
+                        pending.remove(req)
                     yield self._output(req, delta_from=(n_tok, n_chr), text_end=n_chr_now)
         finally:
             for req in reqs:
                 if not req.finished:
                     self.engine.abort(req.request_id)
             self._drain()
+
+    @staticmethod
+    def _has_news(req: Request, sent: tuple[int, int]) -> bool:
+        return req.finished or len(req.output_token_ids) > sent[0]
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"}) or a list of them."""
@@ -163,6 +180,31 @@ class LLM:
 
     def stats(self) -> dict:
         return self.engine.stats()
+
+
+def _show(value) -> str:
+    text = repr(value)
+    return f"{type(value).__name__} {text[:60] + '...' if len(text) > 60 else text}"
+
+
+def _is_token_id(t) -> bool:
+    return isinstance(t, numbers.Integral) and not isinstance(t, bool)
+
+
+def _token_ids(ids, where: str) -> list[int]:
+    bad = [t for t in ids if not _is_token_id(t)] if isinstance(ids, (list, tuple)) else [ids]
+    if bad:
+        raise ValueError(f"{where} has {_show(bad[0])} where a token id (an int) belongs")
+    return [int(t) for t in ids]
+
+
+def _check_text(text: str, where: str):
+    """Text the tokenizer can take: valid Unicode (no lone surrogates, which have no UTF-8 encoding)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{where} is not valid Unicode text: {text[e.start:e.end]!r} at index {e.start} is a "
+                         "lone surrogate") from None
 
 
 def generate(prompts, model=DEFAULT_MODEL, sampling_params=None, *, use_tqdm: bool = True, **llm_kwargs):

@@ -2,8 +2,12 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 
 MAX_LOGPROBS = 20  # top-n logprobs the step can return per token
+MAX_STOP_TOKEN_IDS = 8
+INT32_MAX = 2**31 - 1  # per-request integers travel to the device as int32
 
 
 @dataclasses.dataclass
@@ -27,7 +31,7 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
-        self.stop_token_ids = [int(t) for t in (self.stop_token_ids or [])]
+        self.stop_token_ids = list(self.stop_token_ids or [])
         self.validate()
 
     @property
@@ -35,29 +39,45 @@ class SamplingParams:
         return self.temperature == 0.0
 
     def validate(self):
-        def bad(name, value, valid):
-            raise ValueError(f"SamplingParams.{name}={value!r} is invalid; {valid}")
-        if self.temperature < 0:
-            bad("temperature", self.temperature, "it must be >= 0 (0 means greedy)")
-        if not 0 < self.top_p <= 1:
-            bad("top_p", self.top_p, "it must be in (0, 1]")
-        if self.top_k == 0 or self.top_k < -1:
-            bad("top_k", self.top_k, "it must be -1 (off) or >= 1")
-        if not 0 <= self.min_p <= 1:
-            bad("min_p", self.min_p, "it must be in [0, 1]")
-        if self.max_tokens is None or self.max_tokens < 1:
-            bad("max_tokens", self.max_tokens, "it must be >= 1")
-        if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
-            bad("min_tokens", self.min_tokens, f"it must be in [0, max_tokens={self.max_tokens}]")
-        if self.repetition_penalty <= 0:
-            bad("repetition_penalty", self.repetition_penalty, "it must be > 0 (1 means off)")
-        if not -2 <= self.presence_penalty <= 2:
-            bad("presence_penalty", self.presence_penalty, "it must be in [-2, 2]")
-        if not -2 <= self.frequency_penalty <= 2:
-            bad("frequency_penalty", self.frequency_penalty, "it must be in [-2, 2]")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            bad("logprobs", self.logprobs, f"it must be in [0, {MAX_LOGPROBS}]")
-        if len(self.stop_token_ids) > 8:
-            bad("stop_token_ids", self.stop_token_ids, "at most 8 ids are supported")
-        if any(not s for s in self.stop):
-            bad("stop", self.stop, "stop strings must be non-empty")
+        """Every field checked before a request is queued: a ValueError names the field, its value and the
+        valid range (NaN, infinities, bools and values that overflow the device's int32 are refused)."""
+        def bad(name, valid):
+            raise ValueError(f"SamplingParams.{name}={getattr(self, name)!r} is invalid; {valid}")
+
+        def real(name, lo, hi, lo_open=False, hi_open=False):
+            v = getattr(self, name)
+            ok = isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
+            ok = ok and (lo < v if lo_open else lo <= v) and (v < hi if hi_open else v <= hi)
+            if not ok:
+                bad(name, f"it must be a finite number in {'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}")
+
+        def integer(name, lo, hi, what=""):
+            v = getattr(self, name)
+            if not (isinstance(v, numbers.Integral) and not isinstance(v, bool) and lo <= v <= hi):
+                bad(name, what or f"it must be an int in [{lo}, {hi}]")
+
+        real("temperature", 0, math.inf, hi_open=True)
+        real("top_p", 0, 1, lo_open=True)
+        integer("top_k", -1, INT32_MAX, f"it must be -1 (off) or an int in [1, {INT32_MAX}]")
+        if self.top_k == 0:
+            bad("top_k", f"it must be -1 (off) or an int in [1, {INT32_MAX}]")
+        real("min_p", 0, 1)
+        integer("max_tokens", 1, INT32_MAX)
+        integer("min_tokens", 0, self.max_tokens, f"it must be an int in [0, max_tokens={self.max_tokens}]")
+        if self.seed is not None:
+            integer("seed", -2**63, 2**64 - 1, "it must be None or an int in [-2**63, 2**64)")
+        real("presence_penalty", -2, 2)
+        real("frequency_penalty", -2, 2)
+        real("repetition_penalty", 0, math.inf, lo_open=True, hi_open=True)
+        if self.logprobs is not None:
+            integer("logprobs", 0, MAX_LOGPROBS)
+        if not isinstance(self.ignore_eos, bool):
+            bad("ignore_eos", "it must be a bool")
+        ids = self.stop_token_ids
+        if len(ids) > MAX_STOP_TOKEN_IDS or not all(
+                isinstance(t, numbers.Integral) and not isinstance(t, bool) and 0 <= t <= INT32_MAX for t in ids):
+            bad("stop_token_ids", f"give at most {MAX_STOP_TOKEN_IDS} token ids, each an int in [0, {INT32_MAX}] "
+                                  "(and inside the model's vocabulary)")
+        self.stop_token_ids = [int(t) for t in ids]
+        if not all(isinstance(x, str) and x for x in self.stop):
+            bad("stop", "stop strings must be non-empty strings")

@@ -107,17 +107,20 @@ def smollm2_model(smollm2_gguf_path):
 
 def random_model(seed: int = 0, *, arch: str = "llama", vocab_size: int = 128, hidden_size: int = 32,
                  num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2, intermediate_size: int = 64,
-                 max_position_embeddings: int = 256, base=None, noise: float = 1.0):
-    """A tiny random jaxspec `Model` (float32, no tokenizer), built in-process.
+                 max_position_embeddings: int = 256, base=None, noise: float = 1.0, attn_gain: float = 1.0):
+    """A tiny random jaxspec `Model` (float32, no tokenizer), built in-process from HF-named tensors, which
+    it keeps as `model.hf_tensors` (what tests/reference.py reads).
+
+    `attn_gain` scales every o_proj: below 1, attention moves the residual stream less, so the next token
+    depends more on the current one and drafters can learn to predict the model.
 
     With `base` (a Model of the same shapes), the weights are base's plus `noise` times fresh random ones:
     a draft model that agrees with its target often but not always.
     """
-    import jax
-    import jax.numpy as jnp
     import numpy as np
     from jaxspec.models.config import ModelConfig
     from jaxspec.models.model import Model
+    from jaxspec.models.weights import params_from_hf_tensors
 
     hd = hidden_size // num_heads
     config = ModelConfig(arch=arch, vocab_size=vocab_size, hidden_size=hidden_size,
@@ -125,31 +128,31 @@ def random_model(seed: int = 0, *, arch: str = "llama", vocab_size: int = 128, h
                          num_kv_heads=num_kv_heads, head_dim=hd, rms_norm_eps=1e-5,
                          max_position_embeddings=max_position_embeddings)
     rng = np.random.default_rng(seed)
-    L, D, F = num_layers, hidden_size, intermediate_size
+    D, F, q, kv = hidden_size, intermediate_size, num_heads * hd, num_kv_heads * hd
 
     def mat(*shape):  # unit gain for a unit-variance input
         return rng.standard_normal(shape) / np.sqrt(shape[-1])
 
-    params = {
-        "embed": rng.standard_normal((vocab_size, D)),
-        "final_norm": 1 + 0.2 * rng.standard_normal(D),
-        "lm_head": 2 * mat(vocab_size, D),
-        "layers": {
-            "attn_norm": 1 + 0.2 * rng.standard_normal((L, D)), "mlp_norm": 1 + 0.2 * rng.standard_normal((L, D)),
-            "q_proj": mat(L, num_heads * hd, D), "k_proj": mat(L, num_kv_heads * hd, D),
-            "v_proj": mat(L, num_kv_heads * hd, D), "o_proj": mat(L, D, num_heads * hd),
-            "gate_proj": mat(L, F, D), "up_proj": mat(L, F, D), "down_proj": mat(L, D, F),
-        },
-    }
-    if config.qkv_bias:
-        params["layers"].update(q_bias=0.1 * rng.standard_normal((L, num_heads * hd)),
-                                k_bias=0.1 * rng.standard_normal((L, num_kv_heads * hd)),
-                                v_bias=0.1 * rng.standard_normal((L, num_kv_heads * hd)))
+    t = {"model.embed_tokens.weight": rng.standard_normal((vocab_size, D)),
+         "model.norm.weight": 1 + 0.2 * rng.standard_normal(D), "lm_head.weight": 2 * mat(vocab_size, D)}
+    for i in range(num_layers):
+        p = f"model.layers.{i}."
+        t.update({p + "input_layernorm.weight": 1 + 0.2 * rng.standard_normal(D),
+                  p + "post_attention_layernorm.weight": 1 + 0.2 * rng.standard_normal(D),
+                  p + "self_attn.q_proj.weight": mat(q, D), p + "self_attn.k_proj.weight": mat(kv, D),
+                  p + "self_attn.v_proj.weight": mat(kv, D), p + "self_attn.o_proj.weight": attn_gain * mat(D, q),
+                  p + "mlp.gate_proj.weight": mat(F, D), p + "mlp.up_proj.weight": mat(F, D),
+                  p + "mlp.down_proj.weight": mat(D, F)})
+        if config.qkv_bias:
+            t.update({p + f"self_attn.{n}_proj.bias": 0.1 * rng.standard_normal(w)
+                      for n, w in (("q", q), ("k", kv), ("v", kv))})
     if base is not None:  # base + noise * (random of the same scale as each base tensor)
-        params = jax.tree_util.tree_map(
-            lambda b: np.asarray(b) + noise * np.asarray(b).std() * rng.standard_normal(b.shape), base.params)
-    params = jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float32), params)
-    return Model(config, params, tokenizer=None, name=f"random-{arch}-{seed}")
+        t = {name: b + noise * b.std() * rng.standard_normal(b.shape) for name, b in base.hf_tensors.items()}
+    t = {name: np.asarray(a, np.float32) for name, a in t.items()}
+    model = Model(config, params_from_hf_tensors(config, t.__getitem__, "float32"), tokenizer=None,
+                  name=f"random-{arch}-{seed}")
+    model.hf_tensors = t
+    return model
 
 
 @pytest.fixture(scope="session")

@@ -59,15 +59,17 @@ def write_eagle1_head(path, target_config, seed: int = 0, num_layers: int = 1, f
     return path
 
 
-def write_eagle3_head(path, target_config, seed: int = 0, draft_vocab_size: int | None = None) -> Path:
+def write_eagle3_head(path, target_config, seed: int = 0, draft_vocab_size: int | None = None,
+                      draft_to_target=None) -> Path:
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
     V = target_config.vocab_size
-    Vd = draft_vocab_size or V // 2
+    Vd = len(draft_to_target) if draft_to_target is not None else draft_vocab_size or V // 2
     cfg = _head_config(target_config, 1, architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=Vd)
     D = cfg["hidden_size"]
-    draft_to_target = np.sort(rng.choice(V, Vd, replace=False))
+    if draft_to_target is None:
+        draft_to_target = np.sort(rng.choice(V, Vd, replace=False))
     t2d = np.zeros(V, bool)
     t2d[draft_to_target] = True
     tensors = {"fc.weight": (rng.standard_normal((D, 3 * D)) / np.sqrt(3 * D)).astype(np.float32),
@@ -78,4 +80,90 @@ def write_eagle3_head(path, target_config, seed: int = 0, draft_vocab_size: int 
     tensors.update(_layer(rng, "midlayer.", cfg, 2 * D, with_input_norm=True))
     save_file(tensors, str(path / "model.safetensors"))
     (path / "config.json").write_text(json.dumps(cfg, indent=1))
+    return path
+
+
+# ---- heads fitted to a target, so that they accept drafts ----------------------------------------------------
+
+def target_sequences(target, num: int, prompt_len: int, length: int, seed: int, temperature: float = 0.8):
+    """`num` sequences of `length` tokens: random prompts continued by the target itself (half greedy, half
+    sampled at `temperature`), computed with the dense reference."""
+    import jax
+    import jax.numpy as jnp
+    from reference import target_forward
+
+    tcfg, tensors = target.config, {k: jnp.asarray(v) for k, v in target.hf_tensors.items()}
+    rng = np.random.default_rng(seed)
+    seqs = np.zeros((num, length), np.int32)
+    seqs[:, :prompt_len] = rng.integers(0, tcfg.vocab_size, (num, prompt_len))
+    logits_at = jax.jit(jax.vmap(lambda ids, p: target_forward(tensors, tcfg, ids)[0][p], (0, None)))
+    temps = np.where(np.arange(num) % 2 == 0, 0.0, temperature)[:, None]
+    for p in range(prompt_len, length):
+        logits = np.asarray(logits_at(jnp.asarray(seqs), p - 1), np.float64)
+        gumbel = -np.log(-np.log(rng.uniform(1e-12, 1.0, logits.shape)))
+        seqs[:, p] = np.where(temps[:, 0] > 0, np.argmax(logits / np.maximum(temps, 1e-9) + gumbel, -1),
+                              np.argmax(logits, -1))
+    return seqs
+
+
+def fit_eagle_head(method: str, path, target, seed: int = 0, steps: int = 300, num_layers: int = 1,
+                   draft_vocab_size: int | None = None, num_sequences: int = 48, lr: float = 1e-2,
+                   reg_weight: float = 1.0) -> Path:
+    """An EAGLE-1 ("eagle") or EAGLE-3 ("eagle3") head trained in seconds against `target` (a tests Model
+    with `hf_tensors`), written in the published HF layout: it matches the target's next-token distribution
+    on the target's own sequences (cross-entropy), and its output hidden regresses onto the next position's
+    feature, so the drafts after the first (which feed that hidden back) are accepted too."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from reference import EagleReference, eagle3_fc, eagle3_feature_layers, target_forward
+    from jaxspec.models.config import ModelConfig
+
+    path = Path(path)
+    writer = write_eagle3_head if method == "eagle3" else write_eagle1_head
+    tcfg = target.config
+    seqs = target_sequences(target, num_sequences, 6, 40, seed)
+    tensors = {k: jnp.asarray(v) for k, v in target.hf_tensors.items()}
+    logits, final, after = jax.vmap(lambda ids: target_forward(tensors, tcfg, ids))(jnp.asarray(seqs))
+    if method == "eagle3":   # the draft vocabulary: the tokens the target predicts most often
+        counts = np.bincount(np.asarray(jnp.argmax(logits, -1)).ravel(), minlength=tcfg.vocab_size)
+        kept = np.sort(np.argsort(-counts, kind="stable")[:draft_vocab_size or tcfg.vocab_size // 2])
+        writer(path, tcfg, seed=seed, draft_to_target=kept)
+    else:
+        writer(path, tcfg, seed=seed, num_layers=num_layers)
+    from safetensors.numpy import load_file, save_file
+    head = load_file(str(path / "model.safetensors"))
+    hcfg = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+    frozen = {"d2t", "t2d", "embed_tokens.weight"}
+    trainable = {k: jnp.asarray(v) for k, v in head.items() if k not in frozen}
+    ref = EagleReference(method, head, hcfg, target.hf_tensors, tcfg)
+    fixed = {k: v for k, v in head.items() if k in frozen}
+    teacher = jax.nn.softmax(logits[:, 1:-1], -1)   # pair (feature p, token p+1) predicts token p+2
+    aux = jnp.array(eagle3_feature_layers(tcfg.num_layers))
+
+    def loss_fn(train):
+        ref.head = train
+
+        def one(ids, final_s, after_s):
+            feats = eagle3_fc(train, after_s[aux]) if method == "eagle3" else final_s
+            hidden = ref.hidden(feats[:-1], ids[1:])                                      # [T-1, D]
+            return ref.logits(hidden)[:-1], hidden[:-1], jax.lax.stop_gradient(feats[1:-1])
+
+        lg, hid, nxt = jax.vmap(one)(jnp.asarray(seqs), final, after)
+        logp = jax.nn.log_softmax(jnp.where(jnp.isfinite(lg), lg, -1e9), -1)
+        ce = -jnp.mean(jnp.sum(teacher * jnp.where(jnp.isfinite(lg), logp, 0.0), -1))
+        return ce + reg_weight * jnp.mean((hid - nxt) ** 2) / jnp.mean(nxt ** 2)
+
+    opt = optax.adam(optax.cosine_decay_schedule(lr, steps))
+    state = opt.init(trainable)
+
+    @jax.jit
+    def update(train, state):
+        loss, grads = jax.value_and_grad(loss_fn)(train)
+        upd, state = opt.update(grads, state)
+        return optax.apply_updates(train, upd), state, loss
+
+    for _ in range(steps):
+        trainable, state, _ = update(trainable, state)
+    save_file({**{k: np.asarray(v, np.float32) for k, v in trainable.items()}, **fixed}, str(path / "model.safetensors"))
     return path

@@ -17,8 +17,8 @@ def test_compare_matrix_on_sharegpt_writes_json(tmp_path, capsys):
         assert r["requests"] == 3 and r["output_tokens"] > 0 and r["recompiles"] == 0
         assert r["output_throughput"] > 0 and r["ttft_ms"]["p99"] >= r["ttft_ms"]["median"] > 0
     assert results[2]["spec"]["draft_tokens"] == results[3]["spec"]["draft_tokens"] > 0
-    # every configuration generated the same greedy tokens
-    assert len({r["output_tokens"] for r in results}) == 1
+    # every configuration generated the same greedy tokens (not only as many)
+    assert len({r["output_digest"] for r in results}) == 1
     printed = capsys.readouterr().out
     assert "Output token throughput (tok/s)" in printed and "Acceptance length" in printed
     assert "relative to sync" in printed

@@ -6,6 +6,7 @@ once per token bucket (a few seconds each), so the configs here are few and the 
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -121,6 +122,13 @@ def llm_preempt(tiny):
 
 
 @pytest.fixture(scope="module")
+def llm_preempt_sync(tiny):
+    """The same tiny pool, scheduled synchronously."""
+    return LLM(tiny, async_scheduling=False, max_num_seqs=8, max_num_batched_tokens=32,
+               max_model_len=MAX_MODEL_LEN, num_kv_blocks=6)
+
+
+@pytest.fixture(scope="module")
 def llm_chunked(tiny):
     """A token budget of 8: every prompt longer than 8 is prefilled in chunks."""
     return LLM(tiny, async_scheduling=True, **{**TINY, "max_num_batched_tokens": 8})
@@ -153,16 +161,18 @@ def test_seeded_sampling_is_random_and_seed_dependent(llm_async, reference):
     assert run(llm_async, PROMPTS, seeded_params()) == reference["seeded"]   # same seeds, same tokens
 
 
+@pytest.mark.parametrize("mode", ["async", "sync"])
 @pytest.mark.parametrize("kind", ["greedy", "seeded", "penalized"])
-def test_forced_preemption_same_tokens(llm_preempt, reference, kind):
-    before = llm_preempt.stats()["num_preemptions"]
+def test_forced_preemption_same_tokens(llm_preempt, llm_preempt_sync, reference, kind, mode):
+    llm = llm_preempt if mode == "async" else llm_preempt_sync
+    before = llm.stats()["num_preemptions"]
     make = {"greedy": greedy_params, "seeded": seeded_params, "penalized": penalized_params}[kind]
-    outs = llm_preempt.generate(PROMPTS, make(), use_tqdm=False)
-    assert llm_preempt.stats()["num_preemptions"] > before
+    outs = llm.generate(PROMPTS, make(), use_tqdm=False)
+    assert llm.stats()["num_preemptions"] > before
     assert sum(o.metrics["num_preemptions"] for o in outs) > 0
     assert [o.token_ids for o in outs] == reference[kind]
     assert all(o.finish_reason == "length" for o in outs)
-    assert_idle(llm_preempt)
+    assert_idle(llm)
 
 
 @pytest.mark.parametrize("kind", ["greedy", "seeded"])
@@ -284,9 +294,8 @@ def test_stop_token_ids_and_min_tokens(llm_async, llm_sync):
                                                      min_tokens=3), use_tqdm=False)
         assert len(o.token_ids) >= 3
         assert t not in o.token_ids[:3]                 # masked until min_tokens
-        assert llm.engine.tokenizer is None and 2 not in o.token_ids[:3]   # the eos (id 2) is masked too
         if o.finish_reason == "stop":
-            assert o.token_ids[-1] in (t, 2) and o.token_ids[-1] not in o.token_ids[:-1][3:]
+            assert o.token_ids[-1] == t and t not in o.token_ids[:-1]
         else:
             assert o.finish_reason == "length" and len(o.token_ids) == 12
     # a stop id later in the output truncates right after it
@@ -296,6 +305,26 @@ def test_stop_token_ids_and_min_tokens(llm_async, llm_sync):
                                                        ignore_eos=True), use_tqdm=False)
     assert o.token_ids == free[:first + 1] and o.finish_reason == "stop"
     assert_idle(llm_async)
+
+
+def test_eos_is_masked_until_min_tokens(tiny, llm_sync):
+    """A model whose EOS is the token greedy decoding emits first: without min_tokens the request stops at
+    once; with min_tokens=3 the EOS cannot be drawn before the third token, and the output follows the
+    masked distribution (the argmax among the other tokens)."""
+    prompt = PROMPTS[3]
+    (free,) = run(llm_sync, [prompt], greedy_params([1]))
+    eos = free[0]
+    model = dataclasses.replace(tiny, config=dataclasses.replace(tiny.config, eos_token_ids=(eos,)))
+    llm = LLM(model, async_scheduling=True, max_num_seqs=2, max_num_batched_tokens=64, max_model_len=MAX_MODEL_LEN,
+              num_kv_blocks=16)
+    (o,) = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    assert o.token_ids == [eos] and o.finish_reason == "stop"
+    (o,) = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, min_tokens=3), use_tqdm=False)
+    assert eos not in o.token_ids[:3]
+    logits = ref_logits(tiny, prompt)[-1]
+    logits[eos] = -np.inf
+    assert o.token_ids[0] == int(np.argmax(logits))
+    assert_idle(llm)
 
 
 # ---- aborts ------------------------------------------------------------------------------------------
@@ -356,6 +385,58 @@ def test_stream_deltas_concatenate(llm_async, reference):
     assert len(finals) == len(PROMPTS) and set(finals.values()) == {"length"}
     ordered = [toks[k] for k in sorted(toks, key=int)]
     assert ordered == reference["seeded"]
+    assert_idle(llm_async)
+
+
+def bounded_steps(monkeypatch, engine, limit: int = 300):
+    """Fail (rather than hang) if the engine loop runs more than `limit` steps."""
+    orig, count = engine.step, [0]
+
+    def step():
+        count[0] += 1
+        assert count[0] <= limit, "the engine loop is spinning: a stream never ended"
+        return orig()
+    monkeypatch.setattr(engine, "step", step)
+
+
+def test_stream_ends_when_another_call_finishes_its_request(llm_async, reference, monkeypatch):
+    bounded_steps(monkeypatch, llm_async.engine)
+    gen = llm_async.stream([PROMPTS[1]], greedy_params([MAXT[1]]))
+    first = next(gen)
+    # another call drives the loop past the streamed request's end
+    other = run(llm_async, [PROMPTS[3]], greedy_params([MAXT[3]]))
+    assert other == [reference["greedy"][3]]
+    rest = list(gen)
+    assert rest and rest[-1].finished and rest[-1].finish_reason == "length"
+    assert first.token_ids + sum((d.token_ids for d in rest), []) == reference["greedy"][1]
+    assert_idle(llm_async)
+
+
+def test_stream_ends_when_its_request_is_aborted(llm_async, monkeypatch):
+    bounded_steps(monkeypatch, llm_async.engine)
+    gen = llm_async.stream([PROMPTS[1]], greedy_params([40]))
+    first = next(gen)
+    llm_async.abort(first.request_id)
+    rest = list(gen)
+    assert len(rest) == 1 and rest[0].finished and rest[0].finish_reason == "abort"
+    assert_idle(llm_async)
+
+
+def test_abandoned_stream_blocks_nobody(llm_async, reference, monkeypatch):
+    """A live stream nobody reads: other calls finish their own requests (advancing the stream's request
+    as part of the batch), and the stream, resumed later, yields the rest of its request and ends."""
+    bounded_steps(monkeypatch, llm_async.engine)
+    gen = llm_async.stream([PROMPTS[2]], greedy_params([MAXT[2]]))
+    first = next(gen)
+    steps = llm_async.engine.counters["steps"]
+    (o,) = llm_async.generate([PROMPTS[0]], greedy_params([MAXT[0]]), use_tqdm=False)
+    assert o.token_ids == reference["greedy"][0]
+    assert llm_async.engine.counters["steps"] - steps <= MAXT[0] + 2   # nobody waited for the stream
+    (o,) = llm_async.generate([PROMPTS[5]], greedy_params([MAXT[5]]), use_tqdm=False)
+    assert o.token_ids == reference["greedy"][5]
+    rest = list(gen)
+    assert first.token_ids + sum((d.token_ids for d in rest), []) == reference["greedy"][2]
+    assert rest[-1].finish_reason == "length"
     assert_idle(llm_async)
 
 
@@ -474,9 +555,13 @@ def test_logprobs_match_reference(llm_async, tiny):
 
 # ---- bad input ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("field,value", [
-    ("temperature", -0.5), ("top_p", 0.0), ("top_p", 1.5), ("top_k", 0), ("top_k", -2), ("min_p", -0.1),
-    ("min_p", 1.5), ("max_tokens", 0), ("repetition_penalty", 0.0), ("repetition_penalty", -1.0),
-    ("logprobs", 21)])
+    ("temperature", -0.5), ("temperature", math.nan), ("temperature", math.inf), ("top_p", 0.0), ("top_p", 1.5),
+    ("top_p", math.nan), ("top_k", 0), ("top_k", -2), ("top_k", 2**32 + 1), ("top_k", 2.5), ("min_p", -0.1),
+    ("min_p", 1.5), ("max_tokens", 0), ("max_tokens", 2**31), ("max_tokens", 2.5),
+    ("repetition_penalty", 0.0), ("repetition_penalty", -1.0), ("repetition_penalty", math.nan),
+    ("presence_penalty", math.nan), ("frequency_penalty", math.inf), ("logprobs", 21), ("seed", 2**64),
+    ("seed", -2**63 - 1), ("seed", 1.5), ("stop_token_ids", [2**40]), ("stop_token_ids", [-1]),
+    ("stop_token_ids", list(range(9))), ("stop", [""]), ("min_tokens", -1)])
 def test_bad_sampling_params(llm_async, reference, field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})
@@ -485,10 +570,13 @@ def test_bad_sampling_params(llm_async, reference, field, value):
     _assert_rejected(llm_async, [PROMPTS[0], PROMPTS[1]], [greedy_params()[0], sp], field, reference)
 
 
-@pytest.mark.parametrize("case", ["empty", "too_long", "too_long_min_tokens", "oov_high", "oov_negative"])
+@pytest.mark.parametrize("case", ["empty", "too_long", "too_long_min_tokens", "oov_high", "oov_negative",
+                                  "stop_id_oov", "float_token"])
 def test_bad_prompts(llm_async, reference, case):
     prompt, sp, match = {
         "empty": ([], greedy_params([4])[0], "empty"),
+        "stop_id_oov": ([5, 6], SamplingParams(max_tokens=4, stop_token_ids=[256]), "stop_token_ids"),
+        "float_token": ([5, 6.0], greedy_params([4])[0], "float 6.0"),
         "too_long": ([5] * MAX_MODEL_LEN, greedy_params([4])[0], "max_model_len"),
         "too_long_min_tokens": ([5] * (MAX_MODEL_LEN - 8), SamplingParams(min_tokens=10, max_tokens=10),
                                 "max_model_len"),
@@ -496,6 +584,21 @@ def test_bad_prompts(llm_async, reference, case):
         "oov_negative": ([-1, 5], greedy_params([4])[0], "vocabulary"),
     }[case]
     _assert_rejected(llm_async, [PROMPTS[0], prompt], [greedy_params()[0], sp], match, reference)
+
+
+def test_seed_and_top_k_use_their_whole_range(llm_async):
+    """64-bit seeds: the high word changes the draws; a top_k beyond the vocabulary is no truncation (not an
+    int32 overflow)."""
+    def tokens(**kw):
+        return run(llm_async, [STAT_PROMPT], [SamplingParams(temperature=1.0, max_tokens=8, **kw)])[0]
+    assert tokens(seed=5) != tokens(seed=5 + 2**32)
+    assert tokens(seed=2**64 - 1) == tokens(seed=-1)          # the same 64 bits
+    assert tokens(seed=7, top_k=2**31 - 1) == tokens(seed=7) != tokens(seed=7, top_k=1)
+
+
+def test_max_model_len_beyond_the_model_is_refused(tiny):
+    with pytest.raises(ValueError, match=r"max_model_len=1000000000.*max_position_embeddings=128"):
+        LLM(tiny, max_model_len=10**9, warmup=False)
 
 
 def test_request_that_never_fits_the_pool(llm_preempt, reference):
@@ -605,6 +708,19 @@ def test_stream_text_and_ids(smol):
     assert [text[k] for k in keys] == [o.text for o in final]
     assert [ids[k] for k in keys] == [o.token_ids for o in final]
     assert_idle(smol)
+
+
+@pytest.mark.parametrize("prompts,match", [
+    (5, "prompts is int 5"), ([["a", 3]], "prompt 0 has str 'a'"), ([3.5], "prompt 0 is float 3.5"),
+    ("lone \ud800 surrogate", "lone surrogate"), ([[{"role": "user"}]], "message 0 .*'content'"),
+    ([[{"role": "user", "content": "fine"}, {"content": "no role"}]], "message 1"),
+    ([[{"role": "user", "content": "\udfff"}]], "lone surrogate")])
+def test_malformed_prompts_are_named(smol, prompts, match):
+    e = smol.engine
+    n_req = len(e.requests)
+    with pytest.raises(ValueError, match=match):
+        smol.generate(prompts, SamplingParams(max_tokens=2), use_tqdm=False)
+    assert len(e.requests) == n_req and not e.scheduler.waiting
 
 
 def test_chat_and_generate_function(smol):

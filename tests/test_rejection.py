@@ -34,8 +34,10 @@ def run(target_lp, is_greedy, draft_ids, draft_lp, num_drafts, keys, use_kernel=
     return np.asarray(out), np.asarray(n)
 
 
-def keys_for(m, seed=0):
-    return row_keys(jnp.full((m,), seed, jnp.uint32), jnp.arange(m, dtype=jnp.int32))
+def keys_for(m, seed=0, positions=K + 1):
+    """One key per (row, position) [m, positions]: rows and positions all draw different noise."""
+    n = m * positions
+    return row_keys(jnp.full((n,), seed, jnp.uint32), jnp.arange(n, dtype=jnp.int32)).reshape(m, positions, -1)
 
 
 def log(p):
@@ -265,7 +267,27 @@ def test_k_zero_is_plain_sampling():
     target = np.asarray(jax.nn.log_softmax(jnp.asarray(np.random.default_rng(17).normal(size=(m, 1, V)),
                                                        jnp.float32)))
     out, n_acc = run(target, np.array([1, 1, 0, 0], bool), np.zeros((m, 0), np.int32),
-                     np.zeros((m, 0, V), np.float32), np.zeros(m), keys_for(m))
+                     np.zeros((m, 0, V), np.float32), np.zeros(m), keys_for(m, positions=1))
     assert out.shape == (m, 1) and (n_acc == 0).all()
     np.testing.assert_array_equal(out[:2, 0], np.argmax(target[:2, 0], -1))
     assert ((out >= 0) & (out < V)).all()
+
+
+def test_argmax_drafts_emit_what_plain_sampling_draws_at_each_position():
+    """With point-mass drafts, every emitted token is the token plain sampling draws at that position with the
+    position's key, whatever the drafts were: speculation cannot change a seeded request's tokens."""
+    from jaxspec.decode.sampling import sample
+    rng = np.random.default_rng(18)
+    m = M
+    target = np.asarray(jax.nn.log_softmax(jnp.asarray(rng.normal(size=(m, K + 1, V)) * 1.5, jnp.float32)))
+    keys = keys_for(m, seed=9)
+    plain = np.stack([np.asarray(sample(jnp.asarray(target[:, j]), jnp.zeros(m, bool), keys[:, j]))
+                      for j in range(K + 1)], axis=1)                                     # [m, K+1]
+    # drafts: plain sampling's own tokens at some positions (accepted), other tokens elsewhere (rejected)
+    drafts = np.where(rng.random((m, K)) < 0.6, plain[:, :K], rng.integers(0, V, (m, K)))
+    out, n_acc = run(target, np.zeros(m, bool), drafts, None, np.full(m, K), keys)
+    for r in range(m):
+        assert out[r, :n_acc[r] + 1].tolist() == plain[r, :n_acc[r] + 1].tolist()
+        match = drafts[r] == plain[r, :K]
+        assert n_acc[r] == (K if match.all() else int(np.argmin(match)))
+    assert 0 < (n_acc == 0).mean() < 1 and (n_acc == K).any()

@@ -183,16 +183,22 @@ def test_row_independent_of_batch():
     assert toks[0] == toks[1] == toks[2]
 
 
-def test_seeded_draw_reproducible():
+def test_seeded_draw_is_the_gumbel_max_of_its_key():
+    """A row's draw is argmax(logprobs - log(-log(U))) with U the uniforms of that row's key (seed, counter),
+    recomputed here draw by draw; another counter gives other draws."""
     rng = np.random.default_rng(5)
-    logits = jnp.asarray(rng.normal(size=(8, 1000)).astype(np.float32))
-    st = make_st(8, temperature=1.0)
+    n, v = 8, 1000
+    logits = jnp.asarray(rng.normal(size=(n, v)).astype(np.float32))
+    st = make_st(n, temperature=1.0)
     lp = processed_logprobs(logits, st)
-    a = sample(lp, st.is_greedy, row_keys(jnp.arange(8, dtype=jnp.uint32), jnp.full((8,), 3, jnp.int32)))
-    b = jax.jit(sample)(lp, st.is_greedy, row_keys(jnp.arange(8, dtype=jnp.uint32), jnp.full((8,), 3, jnp.int32)))
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    c = sample(lp, st.is_greedy, row_keys(jnp.arange(8, dtype=jnp.uint32), jnp.full((8,), 4, jnp.int32)))
-    assert (np.asarray(a) != np.asarray(c)).any()  # another counter, another draw
+    keys = row_keys(jnp.arange(n, dtype=jnp.uint32), jnp.full((n,), 3, jnp.int32))
+    got = np.asarray(sample(lp, st.is_greedy, keys))
+    for i in range(n):
+        u = np.asarray(jax.random.uniform(jax.random.fold_in(jax.random.PRNGKey(i), 3), (v,), jnp.float32,
+                                          minval=np.finfo(np.float32).tiny), np.float64)
+        assert got[i] == int(np.argmax(np.asarray(lp[i], np.float64) - np.log(-np.log(u))))
+    other = sample(lp, st.is_greedy, row_keys(jnp.arange(n, dtype=jnp.uint32), jnp.full((n,), 4, jnp.int32)))
+    assert (got != np.asarray(other)).any()   # another counter, another draw
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.6])

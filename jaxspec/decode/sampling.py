@@ -153,11 +153,13 @@ def processed_logprobs(logits: jax.Array, st: SamplingTensors, top_k_top_p: bool
     return jax.nn.log_softmax(x, axis=-1)
 
 
-def row_keys(seeds: jax.Array, counters: jax.Array) -> jax.Array:
-    """One PRNG key per row: fold_in(PRNGKey(seed), counter) -> u32[N, 2] (raw threefry keys)."""
+def row_keys(seeds: jax.Array, counters: jax.Array, seeds_hi: jax.Array | None = None) -> jax.Array:
+    """One PRNG key per row: fold_in(key(seed), counter) -> u32[N, 2] (raw threefry keys). The key of a
+    64-bit seed is its two 32-bit words [hi, lo]: PRNGKey(seed) for seeds below 2**32 (seeds_hi None)."""
     seeds = jnp.asarray(seeds, jnp.uint32)
+    hi = jnp.zeros_like(seeds) if seeds_hi is None else jnp.asarray(seeds_hi, jnp.uint32)
     counters = jnp.asarray(counters, jnp.int32)
-    return jax.vmap(lambda s, c: jax.random.fold_in(jax.random.PRNGKey(s), c))(seeds, counters)
+    return jax.vmap(lambda h, s, c: jax.random.fold_in(jnp.stack([h, s]), c))(hi, seeds, counters)
 
 
 def gumbel_noise(keys: jax.Array, shape: tuple[int, ...]) -> jax.Array:

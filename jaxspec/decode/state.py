@@ -19,8 +19,8 @@ MAX_STOP_IDS = 8
 
 # Row-wise integer inputs, one row of `StepInputs.rows` each.
 ROW_SLOT, ROW_NUM_NEW, ROW_START, ROW_NUM_DRAFTS, ROW_FIRST_TOKEN, ROW_SAMPLE, ROW_PROMPT_LEN, ROW_SEED, \
-    ROW_TOP_K, ROW_MIN_TOKENS = range(10)
-NUM_ROW_INTS = 10
+    ROW_SEED_HI, ROW_TOP_K, ROW_MIN_TOKENS = range(11)
+NUM_ROW_INTS = 11
 # Row-wise float inputs, one row of `StepInputs.rows_f` each.
 ROW_TEMPERATURE, ROW_TOP_P, ROW_MIN_P, ROW_PRESENCE, ROW_FREQUENCY, ROW_REPETITION = range(6)
 NUM_ROW_FLOATS = 6

@@ -23,7 +23,7 @@ from jaxspec.decode import sampling
 from jaxspec.decode.rejection import rejection_sample
 from jaxspec.decode.state import (
     DecodeState, StepConfig, StepInputs, unpack_inputs, ROW_SLOT, ROW_NUM_NEW, ROW_START, ROW_NUM_DRAFTS, ROW_FIRST_TOKEN,
-    ROW_SAMPLE, ROW_PROMPT_LEN, ROW_SEED, ROW_TOP_K, ROW_MIN_TOKENS, ROW_TEMPERATURE, ROW_TOP_P,
+    ROW_SAMPLE, ROW_PROMPT_LEN, ROW_SEED, ROW_SEED_HI, ROW_TOP_K, ROW_MIN_TOKENS, ROW_TEMPERATURE, ROW_TOP_P,
     ROW_MIN_P, ROW_PRESENCE, ROW_FREQUENCY, ROW_REPETITION)
 from jaxspec.models.llama import ForwardBatch, forward
 from jaxspec.pallas.paged_attention import attention_fn_for
@@ -71,7 +71,7 @@ class DraftContext:
     first_token: Any           # i32[R] index in T of each row's first token
     num_new: Any               # i32[R]
     sampling: sampling.SamplingTensors
-    keys: Any                  # per-row PRNG keys for drafts drawn by sampling
+    keys: Any                  # [R, K] PRNG keys of the draft positions, for drafts drawn by sampling
     variant: StepVariant = StepVariant()
 
 
@@ -156,7 +156,10 @@ def step(model_config, step_config: StepConfig, drafter, params, drafter_params,
     stop_hit = jnp.zeros((R, V), bool).at[jnp.arange(R)[:, None], jnp.where(stop_ok, inp.stop_ids, V)].set(
         True, mode="drop")
     logits = jnp.where(too_short[..., None] & stop_hit[:, None, :], -jnp.inf, logits)
-    keys = sampling.row_keys(rows[ROW_SEED].astype(jnp.uint32), base)
+    # One PRNG key per emitted position (seed, position): a position draws the same noise in any step.
+    j1 = jnp.arange(K + 1, dtype=jnp.int32)[None, :]
+    keys = sampling.row_keys(jnp.repeat(rows[ROW_SEED], K + 1), (base[:, None] + j1).ravel(),
+                             jnp.repeat(rows[ROW_SEED_HI], K + 1)).reshape(R, K + 1, -1)
     if variant.sample:
         idx = jnp.repeat(jnp.arange(R), K + 1)
         logprobs = sampling.processed_logprobs(logits.reshape(R * (K + 1), V), st.take(idx),
@@ -165,7 +168,7 @@ def step(model_config, step_config: StepConfig, drafter, params, drafter_params,
         logprobs = logits
     if K == 0:
         if variant.sample:
-            emitted = sampling.sample(logprobs[:, 0], st.is_greedy, keys)[:, None]
+            emitted = sampling.sample(logprobs[:, 0], st.is_greedy, keys[:, 0])[:, None]
         else:
             emitted = jnp.argmax(logprobs[:, 0], axis=-1).astype(jnp.int32)[:, None]
         num_accepted = jnp.zeros((R,), jnp.int32)
@@ -193,7 +196,7 @@ def step(model_config, step_config: StepConfig, drafter, params, drafter_params,
         ctx = DraftContext(batch=batch, token_valid=valid, hidden=hidden, aux_hidden=aux, history=history,
                            slot=slot, num_tokens=new_tokens, emitted=emitted, num_accepted=num_accepted,
                            sample_rows=sample_rows, first_token=inp.rows[ROW_FIRST_TOKEN], num_new=num_new,
-                           sampling=st, keys=jax.vmap(jax.random.fold_in, (0, None))(keys, 1), variant=variant)
+                           sampling=st, keys=_draft_keys(rows[ROW_SEED], rows[ROW_SEED_HI], new_tokens, K), variant=variant)
         drafter_state, new_drafts = drafter.propose(drafter_params, drafter_state, ctx)
         drafts = drafts.at[slot].set(new_drafts.astype(jnp.int32))
 
@@ -201,6 +204,15 @@ def step(model_config, step_config: StepConfig, drafter, params, drafter_params,
                           num_tokens=state.num_tokens.at[slot].set(new_tokens),
                           num_computed=state.num_computed.at[slot].set(new_computed))
     return state, out
+
+
+def _draft_keys(seed, seed_hi, num_tokens, k: int):
+    """Keys [R, k] for sampled drafts: draft j is for position num_tokens + j; folded away from the noise
+    the target draws at that position (the draft and the verification must be independent)."""
+    R = seed.shape[0]
+    pos = num_tokens[:, None] + jnp.arange(k, dtype=jnp.int32)[None, :]
+    keys = sampling.row_keys(jnp.repeat(seed, k), pos.ravel(), jnp.repeat(seed_hi, k))
+    return jax.vmap(jax.random.fold_in, (0, None))(keys, 2).reshape(R, k, -1)
 
 
 def _draft_logprobs(state, slot, drafter):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import numbers
 import time
 
 import jax
@@ -18,7 +19,7 @@ from tqdm.auto import tqdm
 
 from jaxspec.decode.state import (
     ROW_FIRST_TOKEN, ROW_MIN_TOKENS, ROW_NUM_DRAFTS, ROW_NUM_NEW, ROW_PROMPT_LEN, ROW_SAMPLE,
-    ROW_SEED, ROW_SLOT, ROW_START, ROW_TOP_K, MAX_STOP_IDS, NUM_ROW_INTS, StepConfig, empty_inputs, init_state, pack_inputs)
+    ROW_SEED, ROW_SEED_HI, ROW_SLOT, ROW_START, ROW_TOP_K, MAX_STOP_IDS, NUM_ROW_INTS, StepConfig, empty_inputs, init_state, pack_inputs)
 from jaxspec.decode.step import StepVariant, make_step
 from jaxspec.models.llama import unstack_layers
 from jaxspec.sampling_params import SamplingParams
@@ -29,7 +30,7 @@ from jaxspec.sched.scheduler import ScheduledRow, Scheduler
 
 # `_dispatch` writes each row's ints in this order: the step's own, then the request's fixed ones.
 assert (ROW_SLOT, ROW_NUM_NEW, ROW_START, ROW_NUM_DRAFTS, ROW_FIRST_TOKEN, ROW_SAMPLE, ROW_PROMPT_LEN, ROW_SEED,
-        ROW_TOP_K, ROW_MIN_TOKENS) == tuple(range(NUM_ROW_INTS))
+        ROW_SEED_HI, ROW_TOP_K, ROW_MIN_TOKENS) == tuple(range(NUM_ROW_INTS))
 
 MIN_TOKEN_BUCKET = 8
 # Compiled for every bucket at warm-up: greedy rows only, and rows that sample (no top-k/top-p, penalties
@@ -89,6 +90,10 @@ class Engine:
         self.params = unstack_layers(model.params) if config.unroll_layers else model.params
         mc = model.config
         max_model_len = config.max_model_len or min(mc.max_position_embeddings, 4096)
+        if max_model_len > mc.max_position_embeddings:
+            raise ValueError(f"max_model_len={max_model_len} is invalid for this model: it has "
+                             f"max_position_embeddings={mc.max_position_embeddings}; give max_model_len in "
+                             f"[2, {mc.max_position_embeddings}]")
         k = drafter.num_spec_tokens if drafter is not None else 0
         max_blocks = -(-max_model_len // config.block_size)
         dtype = model.params["embed"].dtype
@@ -147,8 +152,10 @@ class Engine:
         stop_ids = ([] if params.ignore_eos else list(eos)) + params.stop_token_ids
         req.min_tokens_stop_ids = stop_ids[:MAX_STOP_IDS] if params.min_tokens else []
         # The step's per-row inputs that stay fixed for the request's life (see decode/state.py).
-        req.row_ints = (len(req.prompt_token_ids), int(np.int64(seed).astype(np.uint32).view(np.int32)),
-                        max(params.top_k, 0), params.min_tokens)
+        seed64 = seed % 2**64   # the two 32-bit words of the seed, as the device's int32s
+        req.row_ints = (len(req.prompt_token_ids), int(np.uint32(seed64 & 0xFFFFFFFF).view(np.int32)),
+                        int(np.uint32(seed64 >> 32).view(np.int32)),
+                        min(max(params.top_k, 0), self.model.config.vocab_size), params.min_tokens)
         req.step_variant = StepVariant.of(params)
         req.row_floats = (params.temperature, params.top_p, params.min_p, params.presence_penalty,
                           params.frequency_penalty, params.repetition_penalty)
@@ -164,9 +171,15 @@ class Engine:
         n = len(prompt_token_ids)
         if n == 0:
             raise ValueError("the prompt is empty; give at least one token")
-        bad = [t for t in prompt_token_ids if not 0 <= int(t) < v]
+        not_ids = [t for t in prompt_token_ids if not isinstance(t, numbers.Integral) or isinstance(t, bool)]
+        if not_ids:
+            raise ValueError(f"prompt token ids must be ints; got {type(not_ids[0]).__name__} {not_ids[0]!r}")
+        bad = [t for t in prompt_token_ids if not 0 <= t < v]
         if bad:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {v})")
+        bad = [t for t in params.stop_token_ids if not 0 <= t < v]
+        if bad:
+            raise ValueError(f"SamplingParams.stop_token_ids has ids {bad[:5]} outside the vocabulary [0, {v})")
         if n + max(1, params.min_tokens) > sc.max_model_len:
             raise ValueError(f"the prompt has {n} tokens and min_tokens={params.min_tokens}: more than "
                              f"max_model_len={sc.max_model_len} allows (prompt + max(1, min_tokens) <= max_model_len)")

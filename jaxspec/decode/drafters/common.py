@@ -45,13 +45,13 @@ def pick_drafts(logits, ctx, j, draft_sampling: str):
     """Row-wise drafts from draft logits f32[R, V] at draft position j -> (i32[R], logprobs f32[R, V] or None).
 
     "argmax": the drafter's argmax (q is a point mass). "sample": a draw from the processed distribution
-    (temperature, top-k/top-p/min-p of each row's request) with the row's key folded with j; greedy rows
+    (temperature, top-k/top-p/min-p of each row's request) with the key of draft position j; greedy rows
     take the argmax. The draw's log-probabilities are returned for the rejection sampler.
     """
     if draft_sampling == "argmax":
         return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
     logprobs = sampling.processed_logprobs(logits, ctx.sampling, ctx.variant.top_k_top_p)  # [R, V]
-    keys = jax.vmap(jax.random.fold_in, (0, None))(ctx.keys, j)
+    keys = jax.lax.dynamic_index_in_dim(ctx.keys, j, axis=1, keepdims=False)
     return sampling.sample(logprobs, ctx.sampling.is_greedy, keys), logprobs
 
 
