@@ -98,17 +98,10 @@ def _pct(xs, q):
     return float(np.percentile(xs, q)) if xs else float("nan")
 
 
-def weight_bytes(params) -> int:
-    import jax
-    return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(params))
-
-
 def decode_bytes(engine, batch: int, context: int) -> int:
     """Fewest bytes one decode step reads: every weight once, plus each row's KV context."""
-    mc = engine.model.config
-    kv_itemsize = engine.state.kv["k"].dtype.itemsize
-    kv = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * kv_itemsize * context * batch
-    return weight_bytes(engine.params) + kv
+    runner = engine.runner
+    return runner.weight_bytes() + runner.kv_bytes_per_token() * context * batch
 
 
 def device_step_time(engine, num_tokens: int, repeats: int = 20) -> float:
@@ -117,15 +110,16 @@ def device_step_time(engine, num_tokens: int, repeats: int = 20) -> float:
     Replays the engine's last live inputs of that bucket (the same rows, slots and block tables, each
     replay decoding one more token)."""
     import jax
-    T = engine._bucket(num_tokens)
-    if T not in engine.last_inputs:
+    runner = engine.runner
+    T = runner.bucket_for(num_tokens)
+    if T not in runner.last_inputs:
         raise ValueError(f"bucket {T} has not run a live step yet; nothing to replay")
     for _ in range(3):
-        out = engine.replay_step(T)
+        out = runner.replay(T)
     jax.block_until_ready(out["tokens"])
     t0 = time.perf_counter()
     for _ in range(repeats):
-        out = engine.replay_step(T)
+        out = runner.replay(T)
     jax.block_until_ready(out["tokens"])
     return (time.perf_counter() - t0) / repeats
 
@@ -172,7 +166,7 @@ def steady_state(llm, args, batch: int) -> dict:
     vocab = engine.model.config.vocab_size
     rng = np.random.default_rng(args.seed)
     warm, timed = 8, args.steady_steps
-    k = engine.step_config.num_spec_tokens
+    k = engine.step_config.num_speculative_tokens
     # Rows admitted first decode while later ones still prefill, so each may run for many steps before
     # the timed window: allow them all the room the model length leaves (they are aborted afterwards).
     max_tokens = engine.step_config.max_model_len - args.input_len - 2 * (k + 1)
@@ -191,6 +185,7 @@ def steady_state(llm, args, batch: int) -> dict:
     for _ in range(timed):
         engine.step()
     wall = (time.perf_counter() - t0) / timed
+    issue = list(engine.runner.issue_seconds)[-timed:]   # host time to issue each timed step
     engine.flush()   # read the in-flight step before replaying its inputs
     if any(r.finished for r in reqs):
         raise SystemExit(f"--steady-state {batch}: a request finished before the timed steps ended; raise "
@@ -205,7 +200,9 @@ def steady_state(llm, args, batch: int) -> dict:
     return {"batch": batch, "async": engine.config.async_scheduling, "wall_step_ms": 1e3 * wall,
             "device_step_ms": 1e3 * device, "device_busy": min(1.0, device / wall),
             "hbm_bound_ms": 1e3 * bound, "roofline_fraction": bound / device, "mean_context": context,
-            "bucket_tokens": engine._bucket(batch * (1 + k))}
+            "bucket_tokens": engine.runner.bucket_for(batch * (1 + k)),
+            "argument_buffers": engine.runner.argument_buffers(),
+            "host_issue_ms": 1e3 * float(np.median(issue))}
 
 
 def _speedup_bounds(results: list[dict]):

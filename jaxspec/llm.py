@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import numbers
+import queue
 from typing import Iterator
 
 from tqdm.auto import tqdm
 
 from jaxspec.sampling_params import SamplingParams
 from jaxspec.sched.engine import Engine, EngineConfig
-from jaxspec.sched.output import RequestOutput, final_text, request_metrics
+from jaxspec.sched.output import RequestOutput, request_output
 from jaxspec.sched.request import Request
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -34,18 +35,15 @@ class LLM:
                  async_scheduling: bool = True, speculative_config=None, warmup: bool = True, seed: int = 0,
                  attention: str = "auto", unroll_layers: bool | None = None):
         from jaxspec.models.loader import load_model
-        from jaxspec.spec import SpeculativeConfig, build_drafter
 
         self.model = model if hasattr(model, "params") else load_model(model, dtype=_resolve_dtype(dtype))
         self.tokenizer = self.model.tokenizer
-        spec = SpeculativeConfig.coerce(speculative_config)
-        drafter, drafter_params = build_drafter(spec, self.model) if spec is not None else (None, None)
-        self.speculative_config = spec
         self.engine = Engine(self.model, EngineConfig(
             max_num_seqs=max_num_seqs, max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
             block_size=block_size, num_kv_blocks=num_kv_blocks, kv_memory_fraction=kv_memory_fraction,
             async_scheduling=async_scheduling, warmup=warmup, seed=seed, attention=attention,
-            unroll_layers=unroll_layers), drafter, drafter_params)
+            unroll_layers=unroll_layers), speculative_config)
+        self.speculative_config = self.engine.speculative_config
 
     # ---- prompts -----------------------------------------------------------------------------------
     def _encode(self, prompt, index: int = 0) -> tuple[list[int], str | None]:
@@ -88,7 +86,7 @@ class LLM:
         raise ValueError(f"prompts is {_show(prompts)}: give a string, a list of token ids, a list of chat "
                          "messages, or a list of those")
 
-    def _add(self, prompts, sampling_params) -> list[Request]:
+    def _add(self, prompts, sampling_params, outputs: queue.SimpleQueue | None = None) -> list[Request]:
         prompts = self._as_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -98,63 +96,53 @@ class LLM:
         encoded = [self._encode(p, i) for i, p in enumerate(prompts)]
         for (ids, _), sp in zip(encoded, params):   # every request is checked before any is queued
             self.engine.validate_request(ids, sp)
-        return [self.engine.add_request(ids, sp, prompt=text) for (ids, text), sp in zip(encoded, params)]
+        return [self.engine.add_request(ids, sp, prompt=text, outputs=outputs) for (ids, text), sp in zip(encoded, params)]
 
     # ---- generation --------------------------------------------------------------------------------
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         reqs = self._add(prompts, sampling_params)
         bar = tqdm(total=len(reqs), desc="generating", disable=not use_tqdm, unit="req")
-        pending = set(map(id, reqs))
+        finished = [0]
+
+        def done() -> bool:
+            n = sum(r.finished for r in reqs)
+            bar.update(n - finished[0])
+            finished[0] = n
+            return n == len(reqs)
         try:
-            while pending:
-                for req in self.engine.step():
-                    if req.finished and id(req) in pending:
-                        pending.discard(id(req))
-                        bar.update(1)
+            self.engine.run_until(done)
         except BaseException:
             for req in reqs:
                 self.engine.abort(req.request_id)
             raise
         finally:
             bar.close()
-        self._drain()
-        return [self._output(r) for r in reqs]
+        self.engine.drain()
+        return [request_output(r, self.tokenizer) for r in reqs]
 
     def stream(self, prompts, sampling_params=None) -> Iterator[RequestOutput]:
         """Yields per-request deltas (new text and token ids) as the engine confirms them. The stream ends
         when its requests end, whoever ends them (this loop, another call driving the engine, an abort)."""
-        reqs = self._add(prompts, sampling_params)
-        for req in reqs:
-            req.stream_text = True
-        sent = {id(r): (0, 0) for r in reqs}
-        pending = list(reqs)
+        outputs: queue.SimpleQueue = queue.SimpleQueue()
+        reqs = self._add(prompts, sampling_params, outputs=outputs)
+        pending = {r.request_id for r in reqs}
         try:
             while pending:
-                if not any(self._has_news(r, sent[id(r)]) for r in pending):
-                    self.engine.step()
-                for req in list(pending):
-                    n_tok, n_chr = sent[id(req)]
-                    if not self._has_news(req, (n_tok, n_chr)):
-                        continue
-                    # Hold back the last len(longest stop string) - 1 characters while running: a stop
-                    # string completed by a later token may start inside them, and the final text is
-                    # cut right before it; text already yielded cannot be taken back.
-                    hold = 0 if req.finished or not req.params.stop else max(map(len, req.params.stop)) - 1
-                    n_chr_now = max(n_chr, len(req.text) - hold)
-                    sent[id(req)] = (len(req.output_token_ids), n_chr_now)
-                    if req.finished:
-                        pending.remove(req)
-                    yield self._output(req, delta_from=(n_tok, n_chr), text_end=n_chr_now)
+                try:
+                    delta = outputs.get(block=self.engine.running_on_thread, timeout=1.0)
+                except queue.Empty:
+                    if not self.engine.running_on_thread:
+                        self.engine.step()
+                    continue
+                if delta.finished:
+                    pending.discard(delta.request_id)
+                yield delta
         finally:
             for req in reqs:
                 if not req.finished:
                     self.engine.abort(req.request_id)
-            self._drain()
-
-    @staticmethod
-    def _has_news(req: Request, sent: tuple[int, int]) -> bool:
-        return req.finished or len(req.output_token_ids) > sent[0]
+            self.engine.drain()
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"}) or a list of them."""
@@ -163,20 +151,6 @@ class LLM:
 
     def abort(self, request_id: str):
         self.engine.abort(request_id)
-
-    def _drain(self):
-        """Reads the last in-flight step so the next call starts from a quiet engine."""
-        while self.engine.has_unfinished() and not self.engine.scheduler.has_work():
-            self.engine.step()
-
-    def _output(self, req: Request, delta_from=None, text_end: int | None = None) -> RequestOutput:
-        n_tok, n_chr = delta_from or (0, 0)
-        return RequestOutput(
-            request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
-            text=final_text(req, self.tokenizer)[n_chr:text_end], token_ids=req.output_token_ids[n_tok:], finished=req.finished,
-            finish_reason=req.finish_reason,
-            logprobs=req.logprobs[n_tok:] if req.params.logprobs is not None else None,
-            metrics=request_metrics(req))
 
     def stats(self) -> dict:
         return self.engine.stats()

@@ -47,10 +47,11 @@ class SpeculativeConfig:
 
 
 def build_drafter(spec: SpeculativeConfig, target):
-    """-> (drafter, drafter_params) for the engine's step."""
+    """-> (drafter, drafter_params) for the engine's step. The drafter does not keep the number of drafts:
+    the engine puts `spec.num_speculative_tokens` into its StepConfig, where the step reads it."""
     if spec.method == "ngram":
         from jaxspec.decode.drafters.ngram import NgramDrafter
-        return NgramDrafter(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max), None
+        return NgramDrafter(spec.prompt_lookup_min, spec.prompt_lookup_max), None
     if spec.method == "draft_model":
         from jaxspec.decode.drafters.draft_model import build_draft_model_drafter
         return build_draft_model_drafter(spec, target)

@@ -31,7 +31,7 @@ for R, K in [(1, 1), (5, 3), (32, 4), (16, 16)]:
     assert np.array_equal(np.asarray(o1), np.asarray(o2)) and np.array_equal(np.asarray(n1), np.asarray(n2)), (R, K)
 print("acceptance kernel == reference")
 
-from jaxspec.models import llama  # noqa: E402
+from jaxspec.nn.ops import ForwardBatch, paged_attention_reference  # noqa: E402
 from jaxspec.pallas.paged_attention import paged_attention  # noqa: E402
 
 for dtype, tol in [(jnp.float32, 2e-3), (jnp.bfloat16, 3e-2)]:
@@ -43,8 +43,8 @@ for dtype, tol in [(jnp.float32, 2e-3), (jnp.bfloat16, 3e-2)]:
         tables = rng.permutation(NB)[:R * MB].reshape(R, MB).astype(np.int32)
         rows = rng.integers(0, R, T).astype(np.int32)
         pos = rng.integers(0, MB * bs, T).astype(np.int32)
-        batch = llama.ForwardBatch(None, jnp.asarray(pos), None, jnp.asarray(rows), jnp.asarray(tables), None)
-        ref = llama.paged_attention(q.astype(jnp.float32), k_pool.astype(jnp.float32), v_pool.astype(jnp.float32),
+        batch = ForwardBatch(None, jnp.asarray(pos), None, jnp.asarray(rows), jnp.asarray(tables), None)
+        ref = paged_attention_reference(q.astype(jnp.float32), k_pool.astype(jnp.float32), v_pool.astype(jnp.float32),
                                     1, batch, bs)
         for splits in (1, 3):
             out = paged_attention(q, k_pool, v_pool, jnp.int32(1), batch.positions, batch.row_of_token,
@@ -64,8 +64,8 @@ tables = jnp.asarray(rng.permutation(NB)[:2 * MB].reshape(2, MB).astype(np.int32
 for ctx in (200, 1000, 2500):
     pos = jnp.asarray([ctx - 1] + [-1] * 7, jnp.int32)      # one live token, seven padding tokens
     rows = jnp.zeros(8, jnp.int32)
-    batch = llama.ForwardBatch(None, pos, None, rows, tables, None)
-    ref = llama.paged_attention(q.astype(jnp.float32), k_pool.astype(jnp.float32), v_pool.astype(jnp.float32),
+    batch = ForwardBatch(None, pos, None, rows, tables, None)
+    ref = paged_attention_reference(q.astype(jnp.float32), k_pool.astype(jnp.float32), v_pool.astype(jnp.float32),
                                 1, batch, bs)
     for splits in (1, 8):
         out = paged_attention(q, k_pool, v_pool, jnp.int32(1), pos, rows, tables, block_size=bs, num_splits=splits)

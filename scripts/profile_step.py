@@ -69,44 +69,16 @@ def busy_gaps(trace_dir: str, top: int = 6):
 
 
 def phase_times(engine, steps: int = 40) -> str:
-    """The async loop of Engine.step with each phase timed on the host: planning, building the inputs,
-    copying them over and issuing the step's kernels (launch), waiting for the previous step's output,
-    processing it."""
+    """The async loop with each host phase timed (Engine.step's timings): planning, building the inputs,
+    copying them over and issuing the step (issue), waiting for the previous step's output, processing it."""
     acc = collections.Counter()
-    clock = time.perf_counter
-    run_step = engine._run_step
-
-    def timed_run_step(*args):
-        t = clock()
-        out = run_step(*args)
-        acc["launch"] += clock() - t
-        return out
-
-    engine._run_step = timed_run_step
-    t_start = clock()
+    t0 = time.perf_counter()
     for _ in range(steps):
-        t0 = clock()
-        rows = engine.scheduler.schedule()
-        if not rows:
-            break
-        t1 = clock()
-        rec = engine._dispatch(rows)
-        t2 = clock()
-        pending, engine._pending = engine._pending, rec
-        if pending is not None:
-            pending.out["tokens"].block_until_ready()
-            t3 = clock()
-            engine._process(pending)
-            acc["wait"] += t3 - t2
-            acc["process"] += clock() - t3
-        acc["schedule"] += t1 - t0
-        acc["dispatch"] += t2 - t1
-    wall = clock() - t_start
+        engine.step(timings=acc)
+    wall = time.perf_counter() - t0
     engine.flush()
-    del engine._run_step
-    acc["dispatch"] -= acc["launch"]
     return (f"{1e3 * wall / steps:.3f} ms per step: " +
-            ", ".join(f"{k} {1e3 * v / steps:.3f}" for k, v in acc.items()))
+            ", ".join(f"{k} {1e3 * v / steps:.3f}" for k, v in acc.items() if k != "dispatch"))
 
 
 def main():
@@ -125,15 +97,16 @@ def main():
         pa.NUM_SPLITS = a.attention_splits
     model = random_model(a.model, dtype="bfloat16")
     t0 = time.perf_counter()
-    drafter = drafter_params = None
+    spec = None
     if a.draft_model:
-        from jaxspec.spec import SpeculativeConfig, build_drafter
+        from jaxspec.spec import SpeculativeConfig
         spec = SpeculativeConfig("draft_model", random_model(a.draft_model, dtype="bfloat16", seed=1),
                                  a.num_spec_tokens)
-        drafter, drafter_params = build_drafter(spec, model)
     k = a.num_spec_tokens if a.draft_model else 0
     engine = Engine(model, EngineConfig(max_num_seqs=max(a.batches), max_model_len=a.max_model_len,
-                                        max_num_batched_tokens=256, warmup=False), drafter, drafter_params)
+                                        max_num_batched_tokens=256, warmup=False), spec)
+    runner = engine.runner
+    print(f"argument buffers per step: {runner.argument_buffers()}")
     rows = []
     for b in a.batches:
         # Live decode rows (prompt of `--context` tokens) so the replayed step reads a real context.
@@ -162,11 +135,11 @@ def main():
         engine.config.async_scheduling = True
         print(f"batch {b}: async loop phases (host ms per step): {phase_times(engine)}", flush=True)
         step_s = device_step_time(engine, b * (1 + k))
-        T = engine._bucket(b * (1 + k))
-        jax.block_until_ready(engine.state.num_tokens)
+        T = runner.bucket_for(b * (1 + k))
+        jax.block_until_ready(runner.state.num_tokens)
         t0 = time.perf_counter()
         for _ in range(10):
-            out = engine.replay_step(T)
+            out = runner.replay(T)
         launch_s = (time.perf_counter() - t0) / 10
         jax.block_until_ready(out["tokens"])
         print(f"batch {b}: host time to launch one step {1e3 * launch_s:.3f} ms; device step {1e3 * step_s:.3f} ms",
@@ -175,7 +148,7 @@ def main():
         rows.append((b, T, 1e3 * step_s, 1e3 * bound))
         with jax.profiler.trace(f"{a.trace_dir}/b{b}"):
             for _ in range(5):
-                out = engine.replay_step(T)
+                out = runner.replay(T)
             jax.block_until_ready(out["tokens"])
         print(f"--- batch {b} (T={T})")
         for r in reqs:

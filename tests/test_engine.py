@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 
 import jaxspec
-import jaxspec.sched.engine as engine_mod
+import jaxspec.decode.inputs as inputs_mod
 from jaxspec import LLM, SamplingParams
 from jaxspec.decode.step import StepVariant
-from jaxspec.models import llama
+from jaxspec.nn import Decoder
 from jaxspec.sched.engine import WARM_VARIANTS
 
 MAX_MODEL_LEN = 128                      # the tiny model's max_position_embeddings
@@ -67,7 +67,7 @@ def ref_logits(model, ids, length=MAX_MODEL_LEN):
     """Dense causal logits [len(ids), V] (jitted once per model; zero padding after the sequence)."""
     fn = _scorers.get(id(model))
     if fn is None:
-        fn = _scorers[id(model)] = jax.jit(functools.partial(llama.score, model.config))
+        fn = _scorers[id(model)] = functools.partial(Decoder(model.config).score)
     padded = np.zeros(length, np.int32)
     padded[:len(ids)] = ids
     return np.asarray(fn(model.params, padded), np.float64)[:len(ids)]
@@ -184,13 +184,14 @@ def test_chunked_prefill_same_tokens(llm_chunked, reference, kind):
 
 def test_recompiles_zero_after_several_buckets(llm_async, monkeypatch):
     used = []
-    orig = llm_async.engine._bucket
-    monkeypatch.setattr(llm_async.engine, "_bucket", lambda n: used.append(orig(n)) or used[-1])
-    compiled = llm_async.engine.num_compiled()
+    runner = llm_async.engine.runner
+    orig = runner.bucket_for
+    monkeypatch.setattr(runner, "bucket_for", lambda n: used.append(orig(n)) or used[-1])
+    compiled = runner.num_compiled()
     for params in (greedy_params(), [SamplingParams(temperature=0.7, seed=i, max_tokens=m) for i, m in enumerate(MAXT)]):
         run(llm_async, PROMPTS, params)
     assert len(set(used)) >= 3, used
-    assert llm_async.engine.num_compiled() == compiled   # greedy and plain sampling: warmed at start-up
+    assert runner.num_compiled() == compiled   # greedy and plain sampling: warmed at start-up
     assert llm_async.stats()["compiled_steps"] >= len(WARM_VARIANTS) * len(llm_async.stats()["token_buckets"])
 
 
@@ -217,42 +218,42 @@ def aligned_copy(a, align=64):
     return out
 
 
+HOST_STAGING = ("token_matrix", "int_rows", "float_rows", "stop_ids", "block_tables")
+
+
 @pytest.mark.parametrize("which", ["async", "sync"])
 def test_scribbling_host_buffers_after_dispatch(llm_async, llm_sync, reference, monkeypatch, which):
+    """The host may reuse every array it staged a step's inputs in as soon as the step is dispatched."""
     llm = llm_async if which == "async" else llm_sync
-    built = []
-    orig_empty = engine_mod.empty_inputs
+    runner = llm.engine.runner
+    orig_new, orig_run = runner.new_inputs, runner.run
 
-    def recording_empty_inputs(*a, **k):
+    def aligned_inputs(num_tokens):
         # 64-byte aligned, like a pinned staging pool: the CPU backend may then alias them zero-copy
-        h = {name: aligned_copy(v) for name, v in orig_empty(*a, **k).items()}
-        built.append(h)
-        return h
+        inputs = orig_new(num_tokens)
+        for name in HOST_STAGING:
+            setattr(inputs, name, aligned_copy(getattr(inputs, name)))
+        return inputs
 
-    orig_dispatch = llm.engine._dispatch
     rng = np.random.default_rng(0)
     scribbled = [0]
-
     busy_x = jax.numpy.ones((768, 768), jax.numpy.float32)
     busy = jax.jit(lambda x: (x @ x @ x @ x).sum())
     busy(busy_x).block_until_ready()
 
-    def scribbling_dispatch(rows):
+    def scribbling_run(inputs, variant):
         # Keep the device busy (as step N is when the host dispatches step N+1 on a real accelerator),
-        # so this step's input transfers queue behind it and a lazy transfer would see the garbage.
+        # so this step's input transfer queues behind it and a lazy transfer would see the garbage.
         busy(busy_x)
-        rec = orig_dispatch(rows)
-        for h in built:   # garbage everywhere the host staged this step's inputs
-            for a in h.values():
-                a[...] = rng.integers(-3, 300, a.shape) if a.dtype.kind == "i" else rng.normal(size=a.shape)
-                scribbled[0] += 1
-        built.clear()
-        for row in rows:  # and the host-side token lists the rows carried
-            row.token_ids[:] = [255] * len(row.token_ids)
-        return rec
+        out = orig_run(inputs, variant)
+        for name in HOST_STAGING:
+            buf = getattr(inputs, name)
+            buf[...] = rng.integers(-3, 300, buf.shape) if buf.dtype.kind == "i" else rng.normal(size=buf.shape)
+            scribbled[0] += 1
+        return out
 
-    monkeypatch.setattr(engine_mod, "empty_inputs", recording_empty_inputs)
-    monkeypatch.setattr(llm.engine, "_dispatch", scribbling_dispatch)
+    monkeypatch.setattr(runner, "new_inputs", aligned_inputs)
+    monkeypatch.setattr(runner, "run", scribbling_run)
     params = [g if i % 2 else s for i, (g, s) in enumerate(zip(greedy_params(), seeded_params()))]
     got = run(llm, PROMPTS, params)
     assert scribbled[0] > 0

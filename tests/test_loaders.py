@@ -21,7 +21,8 @@ from jaxspec.models.errors import (ChecksumMismatchError, CorruptModelFileError,
 from jaxspec.models.gguf_loader import (SUPPORTED_TYPES, GGUFFile, config_from_gguf, dequantize_tensor, load_gguf,
                                         open_gguf, permute_rows, unpermute_rows)
 from jaxspec.models.hf_loader import load_hf_dir
-from jaxspec.models.weights import hf_tensor_names, param_shapes, resolve_dtype
+from jaxspec.models.weights import hf_tensor_names, resolve_dtype
+from jaxspec.nn import Decoder, schema
 
 
 def hf_state_dict(path):
@@ -32,17 +33,43 @@ def hf_state_dict(path):
     return {k: v.float().numpy() for k, v in model.state_dict().items()}
 
 
+def param_shapes(config):
+    return schema.shapes(Decoder(config).param_schema())
+
+
+def hf_layer_tensors(params, config, i) -> dict:
+    """Layer i's weights under their HF names, recovered by hand from the declared layout (q/k/v rows grouped
+    per kv head as [its q heads, its k, its v]; gate and up interleaved per MLP unit)."""
+    lp = {k: np.asarray(v[i], np.float32) for k, v in params["layers"]["attention"].items()}
+    Hq, Hkv, hd = config.num_heads, config.num_kv_heads, config.head_dim
+    G = Hq // Hkv
+    out = {"input_layernorm.weight": lp["attn_norm"], "post_attention_layernorm.weight": lp["mlp_norm"],
+           "self_attn.o_proj.weight": lp["o_proj"], "mlp.down_proj.weight": lp["down_proj"],
+           "mlp.gate_proj.weight": lp["gate_up_proj"][:, 0], "mlp.up_proj.weight": lp["gate_up_proj"][:, 1]}
+    for key, suffix in (("qkv_proj", "weight"), ("qkv_bias", "bias")):
+        if key in lp:
+            grouped = lp[key].reshape(Hkv, G + 2, hd, *lp[key].shape[1:])
+            out[f"self_attn.q_proj.{suffix}"] = grouped[:, :G].reshape(Hq * hd, *lp[key].shape[1:])
+            out[f"self_attn.k_proj.{suffix}"] = grouped[:, G].reshape(Hkv * hd, *lp[key].shape[1:])
+            out[f"self_attn.v_proj.{suffix}"] = grouped[:, G + 1].reshape(Hkv * hd, *lp[key].shape[1:])
+    for key in ("q_norm", "k_norm"):
+        if key in lp:
+            out[f"self_attn.{key}.weight"] = lp[key]
+    return out
+
+
 def assert_params_match_state(params, config, state):
-    from jaxspec.models.weights import LAYER_TENSORS, TOP_TENSORS
-    np.testing.assert_array_equal(np.asarray(params["embed"], np.float32), state[TOP_TENSORS["embed"]])
-    np.testing.assert_array_equal(np.asarray(params["final_norm"], np.float32), state[TOP_TENSORS["final_norm"]])
+    np.testing.assert_array_equal(np.asarray(params["embed"], np.float32), state["model.embed_tokens.weight"])
+    np.testing.assert_array_equal(np.asarray(params["final_norm"], np.float32), state["model.norm.weight"])
     assert ("lm_head" in params) == (not config.tie_word_embeddings)
     if "lm_head" in params:
         np.testing.assert_array_equal(np.asarray(params["lm_head"], np.float32), state["lm_head.weight"])
-    for key, stacked in params["layers"].items():
-        for i in range(config.num_layers):
-            np.testing.assert_array_equal(np.asarray(stacked[i], np.float32),
-                                          state[f"model.layers.{i}.{LAYER_TENSORS[key]}"], err_msg=f"{key}[{i}]")
+    layer_names = {n[len("model.layers.0."):] for n in state if n.startswith("model.layers.0.")}
+    for i in range(config.num_layers):
+        got = hf_layer_tensors(params, config, i)
+        assert set(got) == layer_names - {"self_attn.rotary_emb.inv_freq"}
+        for name, value in got.items():
+            np.testing.assert_array_equal(value, state[f"model.layers.{i}.{name}"], err_msg=f"{name}[{i}]")
 
 
 # ---------------------------------------------------------------- dequantization
@@ -228,7 +255,7 @@ def llama3_config(**rope) -> ModelConfig:
 def test_rope_freq_factors_reproduce_llama3_scaling():
     """Llama-3.1's rope (head_dim 128, 8192 original positions: all three bands occur): dividing by the
     converter's per-frequency factors gives the inverse frequencies of jaxspec's llama3 formula."""
-    from jaxspec.models.llama import rope_inv_freq
+    from jaxspec.nn.ops import rope_inv_freq
     scaling = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
     factors = llama3_rope_freq_factors(500000.0, 128, **scaling)
     assert (factors == 1.0).any() and (factors == 8.0).any() and ((factors > 1.0) & (factors < 8.0)).any()
@@ -249,7 +276,7 @@ def test_rope_freq_factors_config_is_hashable_and_validated():
 
 
 def test_llama3_gguf_and_hf_dir_give_same_logits(tiny_hf_dirs, tmp_path):
-    from jaxspec.models.llama import rope_inv_freq
+    from jaxspec.nn.ops import rope_inv_freq
     path = gguf_from_hf_dir(tiny_hf_dirs["llama3_tied"], tmp_path / "llama3.gguf", "llama")
     from_gguf = load_model(path, dtype="float32")
     from_hf = load_model(tiny_hf_dirs["llama3_tied"], dtype="float32")

@@ -13,8 +13,8 @@ def propose(history_rows, num_tokens, k=4, min_n=2, max_n=4):
     for i, r in enumerate(history_rows):
         hist[i, :len(r)] = r
     ctx = types.SimpleNamespace(history=jnp.asarray(hist), slot=jnp.arange(len(history_rows)),
-                                num_tokens=jnp.asarray(num_tokens, jnp.int32))
-    _, drafts = NgramDrafter(k, min_n, max_n).propose(None, None, ctx)
+                                num_tokens=jnp.asarray(num_tokens, jnp.int32), num_speculative_tokens=k)
+    _, drafts = NgramDrafter(min_n, max_n).propose(None, None, ctx)
     return np.asarray(drafts).tolist()
 
 

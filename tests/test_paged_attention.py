@@ -3,7 +3,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec.models import llama
+from jaxspec.nn.ops import ForwardBatch, paged_attention_reference
 from jaxspec.pallas.paged_attention import paged_attention
 
 
@@ -23,34 +23,37 @@ def test_kernel_matches_reference(num_kv_heads, group, head_dim, block_size, num
     limit = np.where(rows == 3, 2 * block_size, MB * block_size)
     positions = (rng.random(T) * limit).astype(np.int32)
     positions[0], rows[0] = 0, 0                        # a token attending to itself only
-    batch = llama.ForwardBatch(None, jnp.asarray(positions), None, jnp.asarray(rows), jnp.asarray(tables), None)
+    batch = ForwardBatch(None, jnp.asarray(positions), None, jnp.asarray(rows), jnp.asarray(tables), None)
     for layer in range(layers):
         out = paged_attention(q, k_pool, v_pool, jnp.int32(layer), batch.positions, batch.row_of_token,
                               batch.block_tables, block_size=block_size, num_splits=num_splits, interpret=True)
-        ref = llama.paged_attention(q, k_pool, v_pool, layer, batch, block_size)
+        ref = paged_attention_reference(q, k_pool, v_pool, layer, batch, block_size)
         np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5)
 
 
 def test_forward_with_kernel_matches_reference_forward():
-    """The whole model with the kernel plugged into the attention seam gives the same logits."""
+    """The whole model with the kernel as its attention (Ops) gives the same logits."""
     from jaxspec.models.config import ModelConfig
     from jaxspec.models.random import random_params
-    from jaxspec.pallas.paged_attention import paged_attention_fn
+    from jaxspec.nn import CacheShape, Decoder, Ops
+    from jaxspec.nn.decoder import initial_state
     cfg = ModelConfig(arch="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
                       num_heads=4, num_kv_heads=2, head_dim=8)
     params = random_params(cfg, "float32", seed=1, scale=0.3)
     rng = np.random.default_rng(0)
     bs, T = 4, 12
-    kv = llama.init_kv_cache(cfg, 16, bs, jnp.float32)
     tables = jnp.asarray(rng.permutation(16)[:8].reshape(2, 4).astype(np.int32))
     rows = np.array([0] * 7 + [1] * 5, np.int32)
     positions = np.concatenate([np.arange(7), np.arange(5)]).astype(np.int32)
     slots = np.asarray(tables)[rows, positions // bs] * bs + positions % bs
-    batch = llama.ForwardBatch(jnp.asarray(rng.integers(0, cfg.vocab_size, T), jnp.int32), jnp.asarray(positions),
-                               jnp.asarray(slots, jnp.int32), jnp.asarray(rows), tables, jnp.arange(T))
-    ref, *_ = llama.forward(cfg, params, kv, batch, block_size=bs)
-    out, *_ = llama.forward(cfg, params, kv, batch, block_size=bs, attention_fn=paged_attention_fn)
-    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-4, atol=1e-4)
+    batch = ForwardBatch(jnp.asarray(rng.integers(0, cfg.vocab_size, T), jnp.int32), jnp.asarray(positions),
+                         jnp.asarray(slots, jnp.int32), jnp.asarray(rows), tables, jnp.arange(T))
+    outs = []
+    for attention in ("reference", "pallas"):
+        model = Decoder(cfg, Ops(attention=attention, block_size=bs))
+        state = initial_state(model.state_schema(CacheShape(num_kv_slots=16 * bs, num_slots=3)), jnp.float32)
+        outs.append(model.forward(params, state, batch)[0])
+    np.testing.assert_allclose(np.asarray(outs[1]), np.asarray(outs[0]), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("num_splits", [1, 2])

@@ -20,7 +20,8 @@ from conftest import random_model
 from eagle_heads import fit_eagle_head, write_eagle1_head, write_eagle3_head
 from reference import EagleReference, Greedy, greedy_spec_counts, ngram_drafts, target_forward
 from jaxspec import LLM, SamplingParams
-from jaxspec.models.llama import ForwardBatch, forward, init_kv_cache, score
+from jaxspec.nn import CacheShape, Decoder, ForwardBatch, Ops
+from jaxspec.nn.decoder import initial_state
 
 VOCAB = 128
 # Chunked prefill (8 tokens a step) and a 16-block pool: four long requests do not fit at once.
@@ -81,7 +82,7 @@ def assert_greedy_lossless(model, prompts, outputs):
     """Every output token is the target's argmax given the tokens before it (up to 1e-5 in logit)."""
     for prompt, out in zip(prompts, outputs):
         ids = np.array(prompt + list(out.token_ids), np.int32)
-        logits = np.asarray(score(model.config, model.params, ids))                  # [n, V]
+        logits = np.asarray(Decoder(model.config).score(model.params, ids))            # [n, V]
         rows = np.arange(len(prompt) - 1, len(ids) - 1)
         gap = logits[rows].max(axis=-1) - logits[rows, ids[len(prompt):]]
         assert np.all(gap <= 1e-5), f"non-argmax tokens at output positions {np.nonzero(gap > 1e-5)[0].tolist()}"
@@ -201,17 +202,19 @@ def dense_batch(ids, positions, size: int) -> ForwardBatch:
                         jnp.zeros((1, 1), jnp.int32), jnp.arange(len(positions), dtype=jnp.int32))
 
 
-def engine_head_pair_logits(method, target, drafter, dparams, ids):
+def engine_head_pair_logits(target, drafter, dparams, ids):
     """The engine's EAGLE head on every pair (feature p, token p+1) of `ids`, run as one dense sequence."""
     ids = jnp.asarray(ids, jnp.int32)
     N = ids.shape[0]
-    c, hc = target.config, drafter.config
-    _, hidden, aux, _ = forward(c, target.params, init_kv_cache(c, 1, N, jnp.float32),
-                                dense_batch(ids, jnp.arange(N), N), block_size=N, aux_layers=drafter.aux_layers)
-    feature = jnp.concatenate(list(aux), -1) @ dparams["fc"].T if method == "eagle3" else hidden
-    out, _ = drafter._forward(hc, dparams, init_kv_cache(hc, 1, N, jnp.float32), ids[1:], feature[:-1],
-                              dense_batch(ids[1:], jnp.arange(N - 1), N), N)
-    return drafter._logits(hc, dparams, out)
+    dense = Ops(attention="dense", block_size=N)
+    model, head = Decoder(target.config, dense), drafter.head
+    state = initial_state(model.state_schema(CacheShape(num_kv_slots=N, num_slots=1)), jnp.float32)
+    _, hidden, aux, _, _ = model.forward(target.params, state, dense_batch(ids, jnp.arange(N), N),
+                                         drafter.aux_layers)
+    kv = initial_state(head.state_schema(CacheShape(num_kv_slots=N, num_slots=1)), jnp.float32)["attention"]
+    out, _ = head.forward(dense, dparams, target.params, kv, ids[1:], head.features(dparams, hidden, aux)[:-1],
+                          dense_batch(ids[1:], jnp.arange(N - 1), N))
+    return head.logits(dparams, target.params, out)
 
 
 @pytest.mark.parametrize("method", ["eagle", "eagle3"])
@@ -221,7 +224,7 @@ def test_eagle_head_logits_match_the_published_forward(target, drafters, referen
     llm = make_llm(target, drafters, method, 3)
     engine = llm.engine
     ids = prompt_of(8, 60) + references["target"].next_tokens(prompt_of(8, 60), 24)
-    got = np.asarray(engine_head_pair_logits(method, target, engine.drafter, engine.drafter_params, ids))
+    got = np.asarray(engine_head_pair_logits(target, engine.runner.drafter, engine.runner.drafter_params, ids))
     ref = np.asarray(references["heads"][method].pair_logits(jnp.asarray(ids)))
     finite = np.isfinite(ref)
     assert (np.isfinite(got) == finite).all()     # EAGLE-3: the same draft vocabulary
@@ -242,7 +245,7 @@ def test_drafts_match_a_dense_reference(target, drafters, references, method):
     while not req.finished:
         engine.step()
         if req.output_token_ids and not req.finished:
-            drafts = np.asarray(engine.state.drafts)[req.slot].tolist()
+            drafts = np.asarray(engine.runner.state.drafts)[req.slot].tolist()
             seq = req.prompt_token_ids + req.output_token_ids
             assert drafts == references["propose"][method](seq, k), f"after {len(seq)} tokens"
             checked += 1
@@ -434,8 +437,8 @@ def test_qwen_coder_0_5b_drafts_for_1_5b_losslessly():
 
 
 def test_unrolled_layers_and_pallas_attention_give_the_same_tokens():
-    """The GPU layout (unrolled fused layers, Pallas paged attention, interpreted here) for target and draft
-    model emits exactly what the CPU layout does, with the same drafts accepted."""
+    """The GPU choices (unrolled layers, Pallas paged attention, interpreted here) for target and draft model
+    emit exactly what the CPU choices (scanned layers, reference attention) do, with the same drafts accepted."""
     from conftest import random_model
     target = random_model(11, vocab_size=96, max_position_embeddings=128)
     draft = random_model(12, vocab_size=96, max_position_embeddings=128, base=target, noise=0.3)
@@ -447,7 +450,7 @@ def test_unrolled_layers_and_pallas_attention_give_the_same_tokens():
                   speculative_config={"method": "draft_model", "model": draft, "num_speculative_tokens": 3})
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
         runs.append(([o.token_ids for o in outs], [o.metrics["num_accepted_tokens"] for o in outs]))
-        assert isinstance(llm.engine.params["layers"], list) == gpu_layout
-        assert isinstance(llm.engine.drafter_params["layers"], list) == gpu_layout
+        assert llm.engine.runner.ops == Ops(attention="pallas" if gpu_layout else "reference", block_size=4,
+                                            unroll=gpu_layout)
     assert runs[0] == runs[1]
     assert sum(runs[0][1]) > 0

@@ -18,7 +18,9 @@ import numpy as np
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.errors import CorruptModelFileError
 from jaxspec.models.model import Model
-from jaxspec.models.weights import DTYPES, param_shapes, resolve_dtype
+from jaxspec.models.weights import DTYPES, resolve_dtype
+from jaxspec.nn import schema
+from jaxspec.nn.decoder import Decoder
 
 CONFIG_FILE = "jaxspec_config.json"
 PARAMS_DIR = "params"
@@ -33,6 +35,8 @@ def config_to_dict(config: ModelConfig) -> dict:
     d = dataclasses.asdict(config)
     d["rope_scaling"] = [list(kv) for kv in config.rope_scaling] if config.rope_scaling else None
     d["eos_token_ids"] = list(config.eos_token_ids)
+    if config.layer_types is not None:
+        d["layer_types"] = list(config.layer_types)
     return d
 
 
@@ -94,8 +98,7 @@ def restore_params(path: str | os.PathLike, dtype=None) -> tuple[dict, ModelConf
     config = config_from_dict(meta["config"])
     saved = DTYPES[resolve_dtype(meta["dtype"])]
     sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    target = jax.tree.map(lambda shape: jax.ShapeDtypeStruct(shape, saved, sharding=sharding),
-                          param_shapes(config), is_leaf=lambda x: isinstance(x, tuple))
+    target = schema.abstract(Decoder(config).param_schema(), saved, sharding=sharding)
     try:
         params = _checkpointer().restore(path / PARAMS_DIR, target)
     except Exception as e:

@@ -1,17 +1,8 @@
 """Model configuration shared by every decoder family and loader.
 
-The params pytree every loader produces (weights stored [out, in], the HF layout; layers stacked on a
-leading L axis so the forward scans over them):
-
-    embed        [V, D]
-    final_norm   [D]
-    lm_head      [V, D]            absent when tie_word_embeddings
-    layers:
-      attn_norm  [L, D]            mlp_norm  [L, D]
-      q_proj     [L, Hq*hd, D]     k_proj    [L, Hkv*hd, D]   v_proj [L, Hkv*hd, D]   o_proj [L, D, Hq*hd]
-      q_bias     [L, Hq*hd]        k_bias    [L, Hkv*hd]      v_bias [L, Hkv*hd]      (qkv_bias only: Qwen2)
-      q_norm     [L, hd]           k_norm    [L, hd]                                  (qk_norm only: Qwen3)
-      gate_proj  [L, F, D]         up_proj   [L, F, D]        down_proj [L, D, F]
+The params every loader produces are declared once, in `jaxspec.nn` (`Decoder.param_schema` and each layer
+kind's `params`): embed [V, D], final_norm [D], lm_head [V, D] (absent when tied), and per layer kind its
+weights stacked on a leading axis (`layers.attention.qkv_proj` [L, Hkv*(G+2)*hd, D], ...).
 """
 from __future__ import annotations
 
@@ -45,8 +36,15 @@ class ModelConfig:
     # linear GGUF scaling factor is folded in): inv_freq = base_inv_freq / rope_freq_factors. An alternative
     # to `rope_scaling`, never combined with it. A tuple of floats so the config stays hashable.
     rope_freq_factors: tuple[float, ...] | None = None
+    # The kind of each layer (a key of jaxspec.nn.layers.LAYER_KINDS); None: every layer "attention".
+    layer_types: tuple[str, ...] | None = None
 
     def __post_init__(self):
+        if self.layer_types is not None:
+            object.__setattr__(self, "layer_types", tuple(self.layer_types))
+            if len(self.layer_types) != self.num_layers:
+                raise ValueError(f"layer_types has {len(self.layer_types)} entries; expected num_layers = "
+                                 f"{self.num_layers}")
         if self.arch not in ARCHITECTURES:
             raise ValueError(f"unsupported architecture {self.arch!r}; supported: {', '.join(ARCHITECTURES)}")
         if self.num_heads % self.num_kv_heads:

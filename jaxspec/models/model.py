@@ -12,12 +12,12 @@ from jaxspec.models.config import ModelConfig
 @dataclasses.dataclass
 class Model:
     config: ModelConfig
-    params: dict  # pytree of jax arrays, layout in jaxspec/models/config.py
+    params: dict  # pytree of jax arrays, declared by jaxspec.nn.decoder.Decoder.param_schema
     tokenizer: Any = None  # jaxspec.models.tokenizer.Tokenizer, or None for a weights-only model
     name: str = ""
     dtype: str = "float32"
 
     def score(self, token_ids) -> np.ndarray:
         """Logits [T, vocab] of a dense causal forward over `token_ids` (no KV cache)."""
-        from jaxspec.models.llama import score
-        return np.asarray(score(self.config, self.params, np.asarray(token_ids, np.int32)))
+        from jaxspec.nn.decoder import Decoder
+        return np.asarray(Decoder(self.config).score(self.params, np.asarray(token_ids, np.int32)))

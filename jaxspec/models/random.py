@@ -26,27 +26,10 @@ KNOWN_SHAPES = {
 
 
 def random_params(config: ModelConfig, dtype="bfloat16", seed: int = 0, scale: float = 0.02) -> dict:
-    """Params in the layout of jaxspec/models/config.py, drawn on the device (norm weights are ones)."""
-    c, dtype = config, jnp.dtype(dtype)
-    L, D, F, hd = c.num_layers, c.hidden_size, c.intermediate_size, c.head_dim
-    shapes = {"q_proj": (L, c.num_heads * hd, D), "k_proj": (L, c.num_kv_heads * hd, D),
-              "v_proj": (L, c.num_kv_heads * hd, D), "o_proj": (L, D, c.num_heads * hd),
-              "gate_proj": (L, F, D), "up_proj": (L, F, D), "down_proj": (L, D, F)}
-    if c.qkv_bias:
-        shapes.update(q_bias=(L, c.num_heads * hd), k_bias=(L, c.num_kv_heads * hd), v_bias=(L, c.num_kv_heads * hd))
-    keys = iter(jax.random.split(jax.random.PRNGKey(seed), len(shapes) + 2))
-    layers = {name: (scale * jax.random.normal(next(keys), shape, jnp.float32)).astype(dtype)
-              for name, shape in shapes.items()}
-    layers["attn_norm"] = jnp.ones((L, D), dtype)
-    layers["mlp_norm"] = jnp.ones((L, D), dtype)
-    if c.qk_norm:
-        layers["q_norm"] = jnp.ones((L, hd), dtype)
-        layers["k_norm"] = jnp.ones((L, hd), dtype)
-    params = {"embed": (scale * jax.random.normal(next(keys), (c.vocab_size, D), jnp.float32)).astype(dtype),
-              "final_norm": jnp.ones((D,), dtype), "layers": layers}
-    if not c.tie_word_embeddings:
-        params["lm_head"] = (scale * jax.random.normal(next(keys), (c.vocab_size, D), jnp.float32)).astype(dtype)
-    return params
+    """Params declared by the model's schema, drawn on the device: weights N(0, scale), norm weights ones."""
+    from jaxspec.nn import schema
+    from jaxspec.nn.decoder import Decoder
+    return schema.initialize(Decoder(config).param_schema(), jnp.dtype(dtype), jax.random.PRNGKey(seed), scale)
 
 
 def random_model(spec, dtype="bfloat16", seed: int = 0) -> Model:

@@ -1,7 +1,9 @@
-"""Mapping HF-named tensors into the params pytree described in `jaxspec.models.config`.
+"""HF-named tensors into the declared params (`jaxspec.nn`'s schemas).
 
-Every loader (GGUF, safetensors directory) ends here: it supplies `get_tensor(hf_name) -> np.ndarray`
-and this module checks shapes, casts and stacks the per-layer tensors on a leading L axis.
+Every loader (GGUF, safetensors directory, EAGLE heads) ends here: it supplies `get_tensor(hf_name) ->
+np.ndarray`; this module reads, for every declared weight, the HF tensors it is made of, assembles them into
+the declared layout (q/k/v grouped by kv head, gate/up interleaved), checks the declared shape, casts, and
+stacks the layers of each kind.
 """
 from __future__ import annotations
 
@@ -11,30 +13,43 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from jaxspec.models.config import ModelConfig
 from jaxspec.models.errors import CorruptModelFileError
 
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
 _DTYPE_ALIASES = {"fp32": "float32", "f32": "float32", "bf16": "bfloat16"}
 
-# params["layers"] key -> HF tensor name inside `model.layers.{i}.`
-LAYER_TENSORS = {
-    "attn_norm": "input_layernorm.weight",
-    "q_proj": "self_attn.q_proj.weight",
-    "k_proj": "self_attn.k_proj.weight",
-    "v_proj": "self_attn.v_proj.weight",
-    "o_proj": "self_attn.o_proj.weight",
-    "q_bias": "self_attn.q_proj.bias",
-    "k_bias": "self_attn.k_proj.bias",
-    "v_bias": "self_attn.v_proj.bias",
-    "q_norm": "self_attn.q_norm.weight",
-    "k_norm": "self_attn.k_norm.weight",
-    "mlp_norm": "post_attention_layernorm.weight",
-    "gate_proj": "mlp.gate_proj.weight",
-    "up_proj": "mlp.up_proj.weight",
-    "down_proj": "mlp.down_proj.weight",
-}
 TOP_TENSORS = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight", "lm_head": "lm_head.weight"}
+
+
+def group_qkv(q, k, v, num_kv_heads: int):
+    """HF q [Hq*hd, ...], k/v [Hkv*hd, ...] -> rows grouped per kv head: [its G q heads, its k, its v]."""
+    tail = q.shape[1:]
+    q = q.reshape(num_kv_heads, -1, *((k.shape[0] // num_kv_heads,) + tail))             # [Hkv, G, hd, ...]
+    k = k.reshape(num_kv_heads, 1, *q.shape[2:])
+    v = v.reshape(num_kv_heads, 1, *q.shape[2:])
+    return np.concatenate([q, k, v], axis=1).reshape(-1, *tail)
+
+
+def interleave_gate_up(gate, up):
+    """HF gate/up [F, D] -> [F, 2, D]."""
+    return np.stack([gate, up], axis=1)
+
+
+# For each layer kind: declared weight -> (the HF tensors inside a layer it is made of, how they combine).
+ATTN = "self_attn."
+HF_LAYER_TENSORS: dict[str, dict[str, tuple[tuple[str, ...], Callable]]] = {
+    "attention": {
+        "attn_norm": (("input_layernorm.weight",), None),
+        "qkv_proj": ((ATTN + "q_proj.weight", ATTN + "k_proj.weight", ATTN + "v_proj.weight"), group_qkv),
+        "qkv_bias": ((ATTN + "q_proj.bias", ATTN + "k_proj.bias", ATTN + "v_proj.bias"), group_qkv),
+        "q_norm": ((ATTN + "q_norm.weight",), None),
+        "k_norm": ((ATTN + "k_norm.weight",), None),
+        "o_proj": ((ATTN + "o_proj.weight",), None),
+        "mlp_norm": (("post_attention_layernorm.weight",), None),
+        "gate_up_proj": (("mlp.gate_proj.weight", "mlp.up_proj.weight"), interleave_gate_up),
+        "down_proj": (("mlp.down_proj.weight",), None),
+    },
+}
 
 
 def resolve_dtype(dtype) -> str:
@@ -51,75 +66,83 @@ def resolve_dtype(dtype) -> str:
     return name
 
 
-def layer_param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Per-layer shape (without the leading L axis) of every tensor in params['layers'] for this config."""
-    d, f, hd = config.hidden_size, config.intermediate_size, config.head_dim
-    q, kv = config.num_heads * hd, config.num_kv_heads * hd
-    shapes = {
-        "attn_norm": (d,), "q_proj": (q, d), "k_proj": (kv, d), "v_proj": (kv, d), "o_proj": (d, q),
-        "mlp_norm": (d,), "gate_proj": (f, d), "up_proj": (f, d), "down_proj": (d, f),
-    }
-    if config.qkv_bias:
-        shapes.update(q_bias=(q,), k_bias=(kv,), v_bias=(kv,))
-    if config.qk_norm:
-        shapes.update(q_norm=(hd,), k_norm=(hd,))
-    return shapes
+def _read(get_tensor: Callable[[str], np.ndarray], name: str) -> np.ndarray:
+    try:
+        return np.asarray(get_tensor(name))
+    except KeyError:
+        raise CorruptModelFileError(f"the checkpoint has no tensor {name!r} (needed for this model config)") from None
 
 
-def param_shapes(config: ModelConfig) -> dict:
-    """The full params pytree of shapes (tuples) for this config, layers stacked on a leading L axis."""
-    d, v = config.hidden_size, config.vocab_size
-    shapes: dict = {"embed": (v, d), "final_norm": (d,)}
-    if not config.tie_word_embeddings:
-        shapes["lm_head"] = (v, d)
-    shapes["layers"] = {k: (config.num_layers, *s) for k, s in layer_param_shapes(config).items()}
-    return shapes
+def read_layer_weight(get_tensor, kind: str, name: str, prefix: str, config, shape, np_dtype,
+                      optional: bool = False) -> np.ndarray | None:
+    """One declared weight of one layer (HF names under `prefix`), assembled, shape-checked against the
+    declaration and cast. `optional`: None when its HF tensors are absent (EAGLE-1's first layer norm)."""
+    sources, combine = HF_LAYER_TENSORS[kind][name]
+    names = [prefix + s for s in sources]
+    if optional and not all(_has(get_tensor, n) for n in names):
+        return None
+    parts = [_read(get_tensor, n) for n in names]
+    value = combine(*parts, config.num_kv_heads) if combine is group_qkv else (combine(*parts) if combine else parts[0])
+    if tuple(value.shape) != tuple(shape):
+        shown = ", ".join(f"{n} {tuple(p.shape)}" for n, p in zip(names, parts))
+        raise CorruptModelFileError(f"{shown}: give {name} of shape {tuple(value.shape)}; the config implies "
+                                    f"{tuple(shape)}")
+    return value.astype(np_dtype, copy=False)
 
 
-def hf_tensor_names(config: ModelConfig) -> list[str]:
+def _has(get_tensor, name: str) -> bool:
+    try:
+        get_tensor(name)
+        return True
+    except KeyError:
+        return False
+
+
+def read_top_weight(get_tensor, hf_name: str, shape, np_dtype) -> np.ndarray:
+    value = _read(get_tensor, hf_name)
+    if tuple(value.shape) != tuple(shape):
+        raise CorruptModelFileError(f"tensor {hf_name!r} has shape {tuple(value.shape)}; the config implies {tuple(shape)}")
+    return value.astype(np_dtype, copy=False)
+
+
+def hf_tensor_names(config) -> list[str]:
     """The HF tensor names `params_from_hf_tensors` reads for this config, in reading order."""
+    from jaxspec.nn.decoder import Decoder
+    decoder = Decoder(config)
+    schema = decoder.param_schema()
     names = [TOP_TENSORS["embed"]]
-    for i in range(config.num_layers):
-        names += [f"model.layers.{i}.{LAYER_TENSORS[k]}" for k in layer_param_shapes(config)]
+    for i, kind in enumerate(decoder.layer_types):
+        for name in schema["layers"][kind]:
+            names += [f"model.layers.{i}.{s}" for s in HF_LAYER_TENSORS[kind][name][0]]
     names.append(TOP_TENSORS["final_norm"])
-    if not config.tie_word_embeddings:
+    if "lm_head" in schema:
         names.append(TOP_TENSORS["lm_head"])
     return names
 
 
-def _read(get_tensor: Callable[[str], np.ndarray], name: str, shape: tuple[int, ...], np_dtype) -> np.ndarray:
-    try:
-        value = get_tensor(name)
-    except KeyError:
-        raise CorruptModelFileError(f"the checkpoint has no tensor {name!r} (needed for this model config)") from None
-    value = np.asarray(value)
-    if tuple(value.shape) != tuple(shape):
-        raise CorruptModelFileError(f"tensor {name!r} has shape {tuple(value.shape)}; the config implies {tuple(shape)}")
-    return value.astype(np_dtype, copy=False)
-
-
-def params_from_hf_tensors(config: ModelConfig, get_tensor: Callable[[str], np.ndarray], dtype="float32") -> dict:
-    """Build the params pytree (jnp arrays in `dtype`) from tensors fetched one at a time by HF name.
+def params_from_hf_tensors(config, get_tensor: Callable[[str], np.ndarray], dtype="float32") -> dict:
+    """The declared params (jnp arrays in `dtype`) from tensors fetched one at a time by HF name.
 
     Tensors are converted one by one into preallocated host buffers of the target dtype, so peak host
-    memory is about the model in `dtype` plus one source tensor. A missing tensor or a shape that does
-    not match `config` raises `CorruptModelFileError` naming the tensor.
+    memory is about the model in `dtype` plus one layer's source tensors. A missing tensor or a shape that
+    does not match `config` raises `CorruptModelFileError` naming the tensor.
     """
+    from jaxspec.nn.decoder import Decoder
     np_dtype = DTYPES[resolve_dtype(dtype)]
-    shapes = param_shapes(config)
-    host: dict = {}
-    for key in ("embed", "final_norm", "lm_head"):
-        if key in shapes:
-            host[key] = _read(get_tensor, TOP_TENSORS[key], shapes[key], np_dtype)
-    stacked = {k: np.empty(s, np_dtype) for k, s in shapes["layers"].items()}
-    for i in range(config.num_layers):
-        for key, buf in stacked.items():
-            buf[i] = _read(get_tensor, f"model.layers.{i}.{LAYER_TENSORS[key]}", buf.shape[1:], np_dtype)
-    host["layers"] = stacked
-    # Move to the device tensor by tensor, dropping each host buffer once it is copied.
+    decoder = Decoder(config)
+    schema = decoder.param_schema()
     params: dict = {"layers": {}}
-    for key in [k for k in host if k != "layers"]:
-        params[key] = jax.device_put(host.pop(key))
-    for key in list(stacked):
-        params["layers"][key] = jax.device_put(stacked.pop(key))
+    for key in ("embed", "final_norm", "lm_head"):
+        if key in schema:
+            params[key] = jax.device_put(read_top_weight(get_tensor, TOP_TENSORS[key], schema[key].shape, np_dtype))
+    index_in_kind: dict[str, int] = {}
+    stacked = {kind: {name: np.empty(spec.shape, np_dtype) for name, spec in specs.items()}
+               for kind, specs in schema["layers"].items()}
+    for i, kind in enumerate(decoder.layer_types):
+        j = index_in_kind.get(kind, 0)
+        index_in_kind[kind] = j + 1
+        for name, buf in stacked[kind].items():
+            buf[j] = read_layer_weight(get_tensor, kind, name, f"model.layers.{i}.", config, buf.shape[1:], np_dtype)
+    for kind, bufs in stacked.items():   # to the device weight kind by weight kind, dropping each host buffer
+        params["layers"][kind] = {name: jax.device_put(bufs.pop(name)) for name in list(bufs)}
     return params

@@ -144,18 +144,8 @@ def paged_attention(q, k_pool, v_pool, layer, positions, row_of_token, block_tab
 
 
 def paged_attention_fn(q, k_pool, v_pool, layer, batch, block_size: int):
-    """`forward`'s attention_fn signature over the kernel. Padding tokens (their KV write dropped: slot
-    past the pool) get position -1, so their programs visit no page."""
+    """`Ops.attend` over the kernel. Padding tokens (their KV write dropped: slot past the pool) get position
+    -1, so their programs visit no page."""
     positions = jnp.where(batch.slot_mapping < k_pool.shape[1], batch.positions, -1)
     return paged_attention(q, k_pool, v_pool, jnp.asarray(layer, jnp.int32), positions, batch.row_of_token,
                            batch.block_tables, block_size=block_size, num_splits=NUM_SPLITS)
-
-
-def attention_fn_for(kind: str):
-    """`forward`'s attention_fn for a StepConfig.attention value."""
-    if kind == "pallas":
-        return paged_attention_fn
-    if kind == "reference":
-        from jaxspec.models.llama import paged_attention as reference
-        return reference
-    raise ValueError(f"attention={kind!r} is unknown; choose 'pallas' or 'reference'")

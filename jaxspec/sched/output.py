@@ -99,6 +99,29 @@ def _first_stop(text: str, stops: list[str], search_from: int) -> int | None:
     return min(found) if found else None
 
 
+def request_output(req: Request, tokenizer, delta_from: tuple[int, int] = (0, 0), text_end: int | None = None):
+    """The request's RequestOutput: whole, or the delta from (tokens, characters) already sent."""
+    n_tok, n_chr = delta_from
+    return RequestOutput(
+        request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
+        text=final_text(req, tokenizer)[n_chr:text_end], token_ids=req.output_token_ids[n_tok:],
+        finished=req.finished, finish_reason=req.finish_reason,
+        logprobs=req.logprobs[n_tok:] if req.params.logprobs is not None else None, metrics=request_metrics(req))
+
+
+def take_delta(req: Request, tokenizer) -> RequestOutput | None:
+    """What the request confirmed since its last delta, or None when nothing did. While it runs, the last
+    len(longest stop string) - 1 characters are held back: a stop string completed by a later token may start
+    inside them, the final text is cut right before it, and text already sent cannot be taken back."""
+    n_tok, n_chr = req.sent
+    if not req.finished and len(req.output_token_ids) == n_tok:
+        return None
+    hold = 0 if req.finished or not req.params.stop else max(map(len, req.params.stop)) - 1
+    n_chr_now = max(n_chr, len(req.text) - hold)
+    req.sent = (len(req.output_token_ids), n_chr_now)
+    return request_output(req, tokenizer, (n_tok, n_chr), n_chr_now)
+
+
 def request_metrics(req: Request) -> dict:
     times = req.token_times
     n = len(req.output_token_ids)

@@ -24,8 +24,8 @@ class Request:
     eos_token_ids: tuple[int, ...]
     prompt: str | None = None
     min_tokens_stop_ids: list[int] = dataclasses.field(default_factory=list)  # masked until min_tokens
-    row_ints: tuple = ()            # the step's fixed per-row ints: prompt length, seed, top-k, min_tokens
-    row_floats: tuple = ()          # temperature, top-p, min-p, presence, frequency, repetition penalties
+    row_ints: tuple = ()            # its fixed per-row step inputs (decode/inputs.py ROW_FIELDS), ints
+    row_floats: tuple = ()          # ... and floats
     step_variant: Any = None        # decode.step.StepVariant: what this request needs of a compiled step
     arrival_time: float = dataclasses.field(default_factory=time.perf_counter)
 
@@ -46,6 +46,8 @@ class Request:
     # output processing
     text: str = ""
     stream_text: bool = False        # render the text every step (a stream reads it as it grows)
+    outputs: Any = None              # queue.SimpleQueue of RequestOutput deltas, for whoever streams it
+    sent: tuple = (0, 0)             # tokens and characters already put on `outputs`
     detok_prefix: int = 0            # incremental detokenization window over output_token_ids
     detok_read: int = 0
     logprobs: list = dataclasses.field(default_factory=list)

@@ -24,16 +24,16 @@ class ScheduledRow:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, num_spec_tokens: int = 0, draft_lookahead: int = 0):
+    def __init__(self, blocks: BlockManager, step_config, *, max_num_seqs: int, max_num_batched_tokens: int,
+                 draft_lookahead: bool = False):
         self.blocks = blocks
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_model_len = max_model_len
-        self.num_spec_tokens = num_spec_tokens
+        self.step_config = step_config
+        self.max_model_len = step_config.max_model_len
         # A drafter with its own KV writes up to k positions past what the target verifies while it
         # proposes; decode rows reserve blocks for those too.
-        self.draft_lookahead = draft_lookahead
+        self.draft_lookahead = step_config.num_speculative_tokens if draft_lookahead else 0
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -93,7 +93,7 @@ class Scheduler:
         room = self.max_model_len - 2 - req.num_computed
         if room < 0:
             return None
-        num_drafts = min(self.num_spec_tokens, room)
+        num_drafts = min(self.step_config.num_speculative_tokens, room)
         if 1 + num_drafts > budget:
             return None
         return ScheduledRow(req, 1 + num_drafts, num_drafts, -1, [], sample=True)

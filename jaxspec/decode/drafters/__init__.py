@@ -1,7 +1,19 @@
-"""Drafters: each proposes the next k drafts per row inside the jitted step.
+"""Drafters: each proposes the next k drafts per row inside the jitted step (k is
+`StepConfig.num_speculative_tokens`, read from the DraftContext)."""
+from __future__ import annotations
 
-A drafter has `num_spec_tokens`, `draft_sampling` ("argmax" or "sample"), `aux_layers` (target layers whose
-hidden states it reads), `init_state(step_config, dtype)` -> its device state (or None), and
-`propose(params, state, ctx: DraftContext) -> (state, drafts i32[R, k])`. A sampling drafter also keeps
-`state["draft_logprobs"]` [slots+1, k, V] at the rows' slots, for the rejection sampler.
-"""
+from typing import Protocol
+
+
+class Drafter(Protocol):
+    """Every member the engine and the step use of a drafter."""
+    method: str                 # "draft_model", "eagle", "eagle3" or "ngram"
+    draft_sampling: str         # "argmax" (q a point mass) or "sample" (drawn; q kept per slot in the state)
+    aux_layers: tuple[int, ...]  # target layers whose residual stream it reads (EAGLE-3), else ()
+    needs_kv_lookahead: bool    # it writes its own KV up to k positions past what the target verifies
+
+    def state_schema(self, step_config) -> dict | None:
+        """Its device state, declared (a sampling drafter includes "draft_logprobs" [slots+1, k, V])."""
+
+    def propose(self, params, state, ctx) -> tuple:
+        """(params, its state, DraftContext) -> (state, drafts i32[R, k])."""

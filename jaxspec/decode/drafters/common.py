@@ -9,7 +9,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.decode import sampling
-from jaxspec.models.llama import ForwardBatch
+from jaxspec.nn.ops import ForwardBatch
+from jaxspec.nn.schema import Spec
 from jaxspec.pallas.slot_mapping import slot_mapping
 
 
@@ -32,13 +33,14 @@ def kv_slots_for(positions, row_of_token, valid, block_tables, block_size: int, 
     return jnp.where((slots >= 0) & (slots < num_kv_slots), slots, num_kv_slots)
 
 
-def one_token_batch(ids, positions, valid, block_tables, block_size: int, num_kv_slots: int) -> ForwardBatch:
+def one_token_batch(ids, positions, valid, block_tables, block_size: int, num_kv_slots: int, slot) -> ForwardBatch:
     """A ForwardBatch of one token per row (row r's token is token r); logits for every row.
     Invalid rows write no KV; their positions are clamped to >= 0 so their attention stays finite."""
     R = ids.shape[0]
     rows = jnp.arange(R, dtype=jnp.int32)
     slots = kv_slots_for(positions, rows, valid, block_tables, block_size, num_kv_slots)
-    return ForwardBatch(ids, jnp.maximum(positions, 0), slots, rows, block_tables, rows)
+    return ForwardBatch(ids, jnp.maximum(positions, 0), slots, rows, block_tables, rows, slot_of_row=slot,
+                        first_token_of_row=rows)
 
 
 def pick_drafts(logits, ctx, j, draft_sampling: str):
@@ -55,6 +57,7 @@ def pick_drafts(logits, ctx, j, draft_sampling: str):
     return sampling.sample(logprobs, ctx.sampling.is_greedy, keys), logprobs
 
 
-def init_draft_logprobs(step_config, vocab_size: int):
+def draft_logprobs_spec(step_config, vocab_size: int) -> Spec:
     """f32[slots+1, k, V]: the distributions the drafts of each slot were drawn from."""
-    return jnp.zeros((step_config.num_slots + 1, step_config.num_spec_tokens, vocab_size), jnp.float32)
+    return Spec((step_config.num_slots + 1, step_config.num_speculative_tokens, vocab_size),
+                ("slots", "draft", "vocab"), "zeros", jnp.float32)

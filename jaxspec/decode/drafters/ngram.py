@@ -11,20 +11,22 @@ import jax.numpy as jnp
 
 
 class NgramDrafter:
+    method = "ngram"
     draft_sampling = "argmax"
     aux_layers = ()
+    needs_kv_lookahead = False
 
-    def __init__(self, num_spec_tokens: int, min_n: int, max_n: int):
-        self.num_spec_tokens, self.min_n, self.max_n = num_spec_tokens, min_n, max_n
+    def __init__(self, min_n: int, max_n: int):
+        self.min_n, self.max_n = min_n, max_n
 
-    def init_state(self, step_config, dtype):
+    def state_schema(self, step_config):
         return None
 
     def propose(self, params, state, ctx):
         hist = ctx.history[ctx.slot]                                   # [R, H]
         num_tokens = ctx.num_tokens                                    # [R]
         R, H = hist.shape
-        k = self.num_spec_tokens
+        k = ctx.num_speculative_tokens
         start = jnp.arange(H)[None, :]                                 # candidate match starts i
         drafts = jnp.full((R, k), -1, jnp.int32)
         found = jnp.zeros((R,), bool)

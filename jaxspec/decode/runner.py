@@ -1,0 +1,114 @@
+"""The device side of an engine: the target's and the drafter's params and the decode state on the device, the
+compiled steps (one per token bucket and variant), warm-up, and per step one input transfer, one dispatch and
+one output copy started. The engine loop (jaxspec.sched.engine) plans steps and reads their outputs; it never
+touches device arrays other than the output it is waiting for.
+
+Hooks for benchmarks and profiles: `bucket_for`, `last_inputs` and `replay` (run a live step's inputs again),
+`issue_seconds` (host time to issue each step), `argument_buffers` (buffers each step call passes).
+"""
+from __future__ import annotations
+
+import collections
+import time
+
+import jax
+import numpy as np
+from tqdm.auto import tqdm
+
+from jaxspec.decode.inputs import StepInputs
+from jaxspec.decode.state import StepConfig, init_state
+from jaxspec.decode.step import StepVariant, make_step
+from jaxspec.nn import schema
+from jaxspec.nn.decoder import Decoder
+from jaxspec.nn.ops import Ops
+
+MIN_TOKEN_BUCKET = 8
+
+
+class ModelRunner:
+    def __init__(self, model, step_config: StepConfig, ops: Ops, drafter=None, drafter_params=None, *,
+                 max_rows: int, max_num_batched_tokens: int):
+        self.target = Decoder(model.config, ops)
+        self.step_config, self.ops = step_config, ops
+        self.params, self.drafter, self.drafter_params = model.params, drafter, drafter_params
+        self.dtype = model.params["embed"].dtype
+        drafter_schema = drafter.state_schema(step_config) if drafter is not None else None
+        self.state = init_state(self.target, step_config, self.dtype, drafter_schema)
+        cap = max(max_num_batched_tokens, MIN_TOKEN_BUCKET)
+        self.token_buckets = [b for b in (MIN_TOKEN_BUCKET << i for i in range(32)) if b < cap] + [cap]
+        # A step has at most one row per token, and at least MIN_TOKEN_BUCKET rows even when max_num_seqs is
+        # smaller: with a single row the logits matmul has one row, which XLA runs as a slow matrix-vector
+        # product on a GPU (measured: +0.9 ms per step at Qwen2.5-1.5B's vocabulary).
+        self.max_rows = max(max_rows, MIN_TOKEN_BUCKET)
+        self._steps: dict[tuple[int, StepVariant], object] = {}
+        self.last_inputs: dict[int, tuple[StepVariant, jax.Array]] = {}
+        self.issue_seconds: collections.deque[float] = collections.deque(maxlen=4096)
+
+    # ---- shapes ------------------------------------------------------------------------------------
+    def bucket_for(self, num_tokens: int) -> int:
+        return next(b for b in self.token_buckets if b >= num_tokens)
+
+    def rows_for(self, num_tokens: int) -> int:
+        return min(num_tokens, self.max_rows)
+
+    def new_inputs(self, num_tokens: int) -> StepInputs:
+        """Fresh host inputs for bucket `num_tokens`, every token and row padding."""
+        sc = self.step_config
+        return StepInputs(num_tokens, self.rows_for(num_tokens), sc.num_slots, sc.max_blocks_per_seq)
+
+    # ---- running -----------------------------------------------------------------------------------
+    def step_fn(self, T: int, variant: StepVariant):
+        """The jitted step of bucket T and this variant (compiled on first use)."""
+        fn = self._steps.get((T, variant))
+        if fn is None:
+            fn = self._steps[(T, variant)] = make_step(self.target, self.drafter, self.step_config, T,
+                                                       self.rows_for(T), variant)
+        return fn
+
+    def run(self, inputs: StepInputs, variant: StepVariant) -> dict:
+        """Copies the inputs over, issues the step, starts copying its outputs back (device arrays)."""
+        t0 = time.perf_counter()
+        T = inputs.token_matrix.shape[1]
+        # One transfer of a buffer built for this step alone and never touched again: on the CPU backend
+        # the transfer may read host memory after this call returns (even with may_alias=False), so a
+        # reused staging buffer would need double-buffering.
+        buf = jax.device_put(inputs.pack(), may_alias=False)
+        self.state, out = self.step_fn(T, variant)(self.params, self.drafter_params, self.state, buf)
+        for array in out.values():
+            array.copy_to_host_async()
+        self.last_inputs[T] = (variant, buf)
+        self.issue_seconds.append(time.perf_counter() - t0)
+        return out
+
+    def replay(self, T: int) -> dict:
+        """Runs bucket T's last live inputs again (benchmarks: the device time of a real step). Each replay
+        advances the same rows by one more token; abort those requests afterwards."""
+        variant, buf = self.last_inputs[T]
+        self.state, out = self.step_fn(T, variant)(self.params, self.drafter_params, self.state, buf)
+        return out
+
+    def warmup(self, variants):
+        """Compiles the step for every token bucket and these variants (all-padding inputs touch only the
+        trash slot)."""
+        todo = [(T, v) for T in self.token_buckets for v in variants]
+        for T, variant in tqdm(todo, desc="compiling steps", leave=False):
+            self.run(self.new_inputs(T), variant)
+        self.last_inputs.clear()
+        self.issue_seconds.clear()
+        jax.block_until_ready(self.state.num_tokens)
+
+    # ---- facts -------------------------------------------------------------------------------------
+    def num_compiled(self) -> int:
+        return sum(f._cache_size() for f in self._steps.values())
+
+    def argument_buffers(self) -> int:
+        """Buffers one step call passes: params, drafter params, decode state, the packed inputs."""
+        return schema.num_buffers(self.params, self.drafter_params, self.state) + 1
+
+    def weight_bytes(self) -> int:
+        return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(self.params))
+
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of target KV one token of context occupies (every attention layer's k and v)."""
+        kv = self.state.layers.get("attention", {})
+        return sum(int(np.prod(a.shape[:1] + a.shape[2:])) * a.dtype.itemsize for a in kv.values())

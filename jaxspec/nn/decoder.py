@@ -1,0 +1,147 @@
+"""The decoder of every supported family (Llama, Qwen2, Qwen3), composed from its per-layer table.
+
+    h = embed[ids]                                    # [T, D]
+    for each layer i:  h = LAYER_KINDS[layer_types[i]](h, state of its kind)
+    hidden = rms_norm(h)                              # [T, D]
+    logits = hidden[logits_indices] @ lm_head.T       # [N, V]   (tied: the embedding)
+
+Weights of one kind are stacked `[n, ...]` (n layers of that kind) and indexed with a static layer number in
+the unrolled forward, so a step passes a handful of argument buffers however deep the model is.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+
+import jax
+import jax.numpy as jnp
+
+from jaxspec.nn.layers import LAYER_KINDS, CacheShape, per_slot_fields
+from jaxspec.nn.ops import ForwardBatch, Ops, rms_norm
+from jaxspec.nn.schema import Spec
+
+
+@dataclasses.dataclass(frozen=True)
+class Decoder:
+    """A model's math: its config and the engine's `Ops` (hashable: it is a static argument of the step)."""
+    config: object        # jaxspec.models.config.ModelConfig
+    ops: Ops = Ops()
+
+    @property
+    def layer_types(self) -> tuple[str, ...]:
+        types = self.config.layer_types or ("attention",) * self.config.num_layers
+        unknown = sorted(set(types) - set(LAYER_KINDS))
+        if unknown:
+            raise ValueError(f"layer types {unknown} are not in jaxspec.nn.layers.LAYER_KINDS "
+                             f"({', '.join(sorted(LAYER_KINDS))})")
+        return types
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(self.layer_types))
+
+    def runs(self):
+        """(kind, index of the first layer among its kind, count, global index of the first layer) for each
+        run of consecutive layers of one kind."""
+        seen: dict[str, int] = {}
+        g = 0
+        for kind, group in itertools.groupby(self.layer_types):
+            n = len(list(group))
+            yield kind, seen.get(kind, 0), n, g
+            seen[kind] = seen.get(kind, 0) + n
+            g += n
+
+    # ---- declarations -------------------------------------------------------------------------------
+    def param_schema(self) -> dict:
+        c = self.config
+        V, D = c.vocab_size, c.hidden_size
+        counts = {k: self.layer_types.count(k) for k in self.kinds}
+        schema = {"embed": Spec((V, D), ("vocab", "embed")),
+                  "final_norm": Spec((D,), ("embed",), "ones"),
+                  "layers": {k: {name: spec.stacked(counts[k]) for name, spec in LAYER_KINDS[k].params(c).items()}
+                             for k in self.kinds}}
+        if not c.tie_word_embeddings:
+            schema["lm_head"] = Spec((V, D), ("vocab", "embed"))
+        return schema
+
+    def state_schema(self, cache: CacheShape) -> dict:
+        counts = {k: self.layer_types.count(k) for k in self.kinds}
+        return {k: {name: spec.stacked(counts[k]) for name, spec in LAYER_KINDS[k].state(self.config, cache).items()}
+                for k in self.kinds}
+
+    # ---- the forward --------------------------------------------------------------------------------
+    def forward(self, params: dict, state: dict, batch: ForwardBatch, aux_layers: tuple[int, ...] = ()):
+        """-> (logits f32[N, V] at batch.logits_indices, hidden [T, D] after the final norm, aux [len(aux_layers),
+        T, D] residual stream after each chosen layer (or None), new state, slot_updates {kind: {field:
+        [n, T, ...]}} for the per-slot fields, to be committed with `commit`)."""
+        c, ops = self.config, self.ops
+        h = params["embed"][jnp.clip(batch.token_ids, 0, c.vocab_size - 1)]            # [T, D]
+        state = {k: dict(v) for k, v in state.items()}
+        after: dict[int, jax.Array] = {}
+        updates: dict[str, list] = {}
+        for kind_name, first, count, g in self.runs():
+            kind, lp_all, st = LAYER_KINDS[kind_name], params["layers"][kind_name], state[kind_name]
+            if ops.unroll or count == 1:
+                for j in range(count):
+                    lp = {name: w[first + j] for name, w in lp_all.items()}
+                    h, st, upd = kind(c, ops, lp, h, st, first + j, batch)
+                    after[g + j] = h
+                    updates.setdefault(kind_name, []).append(jax.tree_util.tree_map(lambda x: x[None], upd))
+            else:   # scanned: one layer body to compile
+                wanted = [a - g for a in aux_layers if g <= a < g + count]
+
+                def body(carry, xs, kind=kind):
+                    h, st = carry
+                    lp, i = xs
+                    h, st, upd = kind(c, ops, lp, h, st, i, batch)
+                    return (h, st), (h if wanted else None, upd)
+
+                xs = ({name: w[first:first + count] for name, w in lp_all.items()},
+                      jnp.arange(first, first + count, dtype=jnp.int32))
+                (h, st), (hs, upd) = jax.lax.scan(body, (h, st), xs)
+                after.update({g + j: hs[j] for j in wanted})
+                updates.setdefault(kind_name, []).append(upd)
+            state[kind_name] = st
+        aux = jnp.stack([after[a] for a in aux_layers]) if aux_layers else None
+        hidden = rms_norm(h, params["final_norm"], c.rms_norm_eps)
+        logits = self.logits(params, hidden[batch.logits_indices])
+        slot_updates = {k: jax.tree_util.tree_map(lambda *xs: jnp.concatenate(xs), *parts)
+                        for k, parts in updates.items() if parts and parts[0]}
+        return logits, hidden, aux, state, slot_updates
+
+    @staticmethod
+    def logits(params: dict, hidden):
+        """hidden [N, D] -> f32 logits [N, V] (tied embeddings when there is no lm_head)."""
+        head = params.get("lm_head", params["embed"])
+        return jnp.einsum("nd,vd->nv", hidden, head, preferred_element_type=jnp.float32)
+
+    def commit(self, state: dict, slot_updates: dict, slot, token_index):
+        """Per-slot state after this step: slot[r] keeps its state after token token_index[r] (the row's last
+        token whose KV is final: a prefill chunk's last, or a verify row's last accepted)."""
+        state = {k: dict(v) for k, v in state.items()}
+        for kind, fields in slot_updates.items():
+            for name, per_token in fields.items():                                   # [n, T, ...]
+                state[kind][name] = state[kind][name].at[:, slot].set(per_token[:, token_index])
+        return state
+
+    def per_slot_fields(self, cache: CacheShape) -> dict[str, list[str]]:
+        return {k: per_slot_fields(LAYER_KINDS[k].state(self.config, cache)) for k in self.kinds}
+
+    # ---- one dense sequence -------------------------------------------------------------------------
+    @functools.partial(jax.jit, static_argnums=0)
+    def score(self, params: dict, token_ids):
+        """Dense causal forward over one sequence, no paging: f32 logits [T, V]."""
+        T = token_ids.shape[0]
+        dense = dataclasses.replace(self, ops=dataclasses.replace(self.ops, attention="dense", block_size=T))
+        positions = jnp.arange(T, dtype=jnp.int32)
+        state = initial_state(dense.state_schema(CacheShape(num_kv_slots=T, num_slots=1)), params["embed"].dtype)
+        zero = jnp.zeros((1,), jnp.int32)
+        batch = ForwardBatch(token_ids, positions, positions, jnp.zeros(T, jnp.int32), jnp.zeros((1, 1), jnp.int32),
+                             positions, slot_of_row=zero, first_token_of_row=zero)
+        return dense.forward(params, state, batch)[0]
+
+
+def initial_state(schema, dtype):
+    from jaxspec.nn.schema import initialize
+    return initialize(schema, dtype)

@@ -1,0 +1,130 @@
+"""The operations every layer shares (RMSNorm, rotary embedding, paged attention), and `Ops`: the swappable
+choices (which attention kernel, unrolled or scanned layers), made once per engine in one place.
+
+Shapes: T tokens in this step (a ragged mix of prefill chunks, decode tokens and verify segments of
+different requests), R request rows, MB blocks per row, S = num_blocks * block_size flat KV slots, L layers,
+Hq/Hkv query/kv heads of width hd.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class ForwardBatch(NamedTuple):
+    token_ids: jax.Array       # i32[T]
+    positions: jax.Array       # i32[T]   position of each token in its sequence
+    slot_mapping: jax.Array    # i32[T]   flat KV slot each token's k/v is written to; >= S drops (padding)
+    row_of_token: jax.Array    # i32[T]   row of block_tables the token belongs to
+    block_tables: jax.Array    # i32[R, MB]
+    logits_indices: jax.Array  # i32[N]   tokens whose logits are wanted
+    slot_of_row: jax.Array | None = None         # i32[R] request slot of each row (per-slot layer state)
+    first_token_of_row: jax.Array | None = None  # i32[R] index in T of each row's first token
+
+
+def rms_norm(x, weight, eps):
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (weight.astype(jnp.float32) * x32).astype(x.dtype)
+
+
+def rope_inv_freq(config) -> jax.Array:
+    hd = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (jnp.arange(0, hd, 2, dtype=jnp.float32) / hd))
+    if config.rope_freq_factors is not None:  # per-frequency divisors (GGUF rope_freqs), as llama.cpp applies them
+        return inv_freq / jnp.asarray(config.rope_freq_factors, jnp.float32)
+    scaling = config.rope_scaling_dict
+    if scaling:  # llama3: long wavelengths slowed by `factor`, a smooth ramp between the two cut-offs
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = jnp.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        inv_freq = jnp.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+def apply_rope(x, positions, inv_freq):
+    """x [T, H, hd] rotated by position (the rotate-half layout of HF checkpoints)."""
+    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]     # [T, hd/2]
+    cos = jnp.concatenate([jnp.cos(angles)] * 2, axis=-1)[:, None, :]       # [T, 1, hd]
+    sin = jnp.concatenate([jnp.sin(angles)] * 2, axis=-1)[:, None, :]
+    x32 = x.astype(jnp.float32)
+    x1, x2 = jnp.split(x32, 2, axis=-1)
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    return (x32 * cos + rotated * sin).astype(x.dtype)
+
+
+def _attend(q, k, v, mask, scale):
+    """q [T, Hkv, G, hd]; k/v [T, C, Hkv, hd] (per-token context) or [C, Hkv, hd] (shared); mask [T, C]."""
+    ctx = "tckd" if k.ndim == 4 else "ckd"
+    s = jnp.einsum(f"tkgd,{ctx}->tkgc", q, k, preferred_element_type=jnp.float32) * scale
+    s = jnp.where(mask[:, None, None, :], s, -jnp.inf)
+    p = jax.nn.softmax(s, axis=-1)
+    o = jnp.einsum(f"tkgc,{ctx}->tkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return o.reshape(q.shape[0], -1)
+
+
+def paged_attention_reference(q, k_pool, v_pool, layer, batch: ForwardBatch, block_size: int):
+    """Each token attends to its own row's blocks up to its position, gathered into a dense context
+    [T, MB*bs, Hkv, hd]: fine for tests and small batches. q [T, Hq, hd]; k/v_pool [L, S, Hkv, hd] (this
+    step's k/v already written) -> [T, Hq*hd]."""
+    k_cache, v_cache = k_pool[layer], v_pool[layer]
+    T, Hq, hd = q.shape
+    Hkv = k_cache.shape[1]
+    tables = batch.block_tables[batch.row_of_token]                               # [T, MB]
+    slots = (tables[:, :, None] * block_size + jnp.arange(block_size)).reshape(T, -1)  # [T, C]
+    k = jnp.take(k_cache, slots, axis=0, mode="clip")                             # [T, C, Hkv, hd]
+    v = jnp.take(v_cache, slots, axis=0, mode="clip")
+    mask = jnp.arange(slots.shape[1])[None, :] <= batch.positions[:, None]        # [T, C]
+    return _attend(q.reshape(T, Hkv, Hq // Hkv, hd), k, v, mask, 1.0 / math.sqrt(hd))
+
+
+def dense_causal_attention(q, k_pool, v_pool, layer, batch: ForwardBatch, block_size: int):
+    """One sequence whose token t sits at KV slot t: plain causal attention (no pages)."""
+    T, Hq, hd = q.shape
+    k, v = k_pool[layer][:T], v_pool[layer][:T]
+    mask = batch.positions[None, :] <= batch.positions[:, None]
+    return _attend(q.reshape(T, k.shape[1], -1, hd), k, v, mask, 1.0 / math.sqrt(hd))
+
+
+@dataclasses.dataclass(frozen=True)
+class Ops:
+    """How an engine computes, chosen once (`Ops.for_backend`) and read by every layer, head and drafter.
+
+    attention: "pallas" (the kernel that reads KV pages in place), "reference" (jnp gather of the pages) or
+    "dense" (one unpaged sequence: `Decoder.score`). unroll: layers unrolled with their stacked weights
+    indexed statically (GPU: each matmul reads its weight in place), or scanned over runs of one layer kind
+    (CPU: one layer body to compile).
+    """
+    attention: str = "reference"
+    block_size: int = 16
+    unroll: bool = False
+
+    def __post_init__(self):
+        if self.attention not in ("pallas", "reference", "dense"):
+            raise ValueError(f"attention={self.attention!r} is unknown; choose 'pallas' or 'reference'")
+
+    @staticmethod
+    def for_backend(block_size: int, attention: str = "auto", unroll: bool | None = None) -> "Ops":
+        """The measured choices for this device (docs/benchmarks.md): on a GPU the Pallas kernel and unrolled
+        layers, on a CPU the reference attention and scanned layers (fast compiles)."""
+        gpu = jax.default_backend() == "gpu"
+        if attention == "auto":
+            attention = "pallas" if gpu else "reference"
+        return Ops(attention=attention, block_size=block_size, unroll=gpu if unroll is None else unroll)
+
+    def attend(self, q, k_pool, v_pool, layer, batch: ForwardBatch):
+        """q [T, Hq, hd] against the pools [L, S, Hkv, hd] of layer `layer` -> [T, Hq*hd]."""
+        if self.attention == "pallas":
+            from jaxspec.pallas.paged_attention import paged_attention_fn
+            return paged_attention_fn(q, k_pool, v_pool, layer, batch, self.block_size)
+        if self.attention == "dense":
+            return dense_causal_attention(q, k_pool, v_pool, layer, batch, self.block_size)
+        return paged_attention_reference(q, k_pool, v_pool, layer, batch, self.block_size)
