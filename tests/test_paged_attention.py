@@ -35,8 +35,7 @@ def test_forward_with_kernel_matches_reference_forward():
     """The whole model with the kernel as its attention (Ops) gives the same logits."""
     from jaxspec.models.config import ModelConfig
     from jaxspec.models.random import random_params
-    from jaxspec.nn import CacheShape, Decoder, Ops
-    from jaxspec.nn.decoder import initial_state
+    from jaxspec.nn import CacheShape, Decoder, Ops, schema
     cfg = ModelConfig(arch="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
                       num_heads=4, num_kv_heads=2, head_dim=8)
     params = random_params(cfg, "float32", seed=1, scale=0.3)
@@ -51,7 +50,7 @@ def test_forward_with_kernel_matches_reference_forward():
     outs = []
     for attention in ("reference", "pallas"):
         model = Decoder(cfg, Ops(attention=attention, block_size=bs))
-        state = initial_state(model.state_schema(CacheShape(num_kv_slots=16 * bs, num_slots=3)), jnp.float32)
+        state = schema.initialize(model.state_schema(CacheShape(num_kv_slots=16 * bs, num_slots=3)), jnp.float32)
         outs.append(model.forward(params, state, batch)[0])
     np.testing.assert_allclose(np.asarray(outs[1]), np.asarray(outs[0]), rtol=1e-4, atol=1e-4)
 

@@ -20,8 +20,7 @@ from conftest import random_model
 from eagle_heads import fit_eagle_head, write_eagle1_head, write_eagle3_head
 from reference import EagleReference, Greedy, greedy_spec_counts, ngram_drafts, target_forward
 from jaxspec import LLM, SamplingParams
-from jaxspec.nn import CacheShape, Decoder, ForwardBatch, Ops
-from jaxspec.nn.decoder import initial_state
+from jaxspec.nn import CacheShape, Decoder, ForwardBatch, Ops, schema
 
 VOCAB = 128
 # Chunked prefill (8 tokens a step) and a 16-block pool: four long requests do not fit at once.
@@ -208,10 +207,10 @@ def engine_head_pair_logits(target, drafter, dparams, ids):
     N = ids.shape[0]
     dense = Ops(attention="dense", block_size=N)
     model, head = Decoder(target.config, dense), drafter.head
-    state = initial_state(model.state_schema(CacheShape(num_kv_slots=N, num_slots=1)), jnp.float32)
+    state = schema.initialize(model.state_schema(CacheShape(num_kv_slots=N, num_slots=1)), jnp.float32)
     _, hidden, aux, _, _ = model.forward(target.params, state, dense_batch(ids, jnp.arange(N), N),
                                          drafter.aux_layers)
-    kv = initial_state(head.state_schema(CacheShape(num_kv_slots=N, num_slots=1)), jnp.float32)["attention"]
+    kv = schema.initialize(head.state_schema(CacheShape(num_kv_slots=N, num_slots=1)), jnp.float32)["attention"]
     out, _ = head.forward(dense, dparams, target.params, kv, ids[1:], head.features(dparams, hidden, aux)[:-1],
                           dense_batch(ids[1:], jnp.arange(N - 1), N))
     return head.logits(dparams, target.params, out)

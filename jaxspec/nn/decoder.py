@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from jaxspec.nn.layers import LAYER_KINDS, CacheShape, per_slot_fields
 from jaxspec.nn.ops import ForwardBatch, Ops, rms_norm
-from jaxspec.nn.schema import Spec
+from jaxspec.nn.schema import Spec, initialize
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,13 +135,9 @@ class Decoder:
         T = token_ids.shape[0]
         dense = dataclasses.replace(self, ops=dataclasses.replace(self.ops, attention="dense", block_size=T))
         positions = jnp.arange(T, dtype=jnp.int32)
-        state = initial_state(dense.state_schema(CacheShape(num_kv_slots=T, num_slots=1)), params["embed"].dtype)
+        state = initialize(dense.state_schema(CacheShape(num_kv_slots=T, num_slots=1)), params["embed"].dtype)
         zero = jnp.zeros((1,), jnp.int32)
         batch = ForwardBatch(token_ids, positions, positions, jnp.zeros(T, jnp.int32), jnp.zeros((1, 1), jnp.int32),
                              positions, slot_of_row=zero, first_token_of_row=zero)
         return dense.forward(params, state, batch)[0]
 
-
-def initial_state(schema, dtype):
-    from jaxspec.nn.schema import initialize
-    return initialize(schema, dtype)

@@ -53,8 +53,21 @@ def pick_drafts(logits, ctx, j, draft_sampling: str):
     if draft_sampling == "argmax":
         return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
     logprobs = sampling.processed_logprobs(logits, ctx.sampling, ctx.variant.top_k_top_p)  # [R, V]
-    keys = jax.lax.dynamic_index_in_dim(ctx.keys, j, axis=1, keepdims=False)
+    keys = ctx.keys[:, j] if isinstance(j, int) else jax.lax.dynamic_index_in_dim(ctx.keys, j, axis=1, keepdims=False)
     return sampling.sample(logprobs, ctx.sampling.is_greedy, keys), logprobs
+
+
+def draft_loop(body, carry, k: int, unroll: bool):
+    """`jax.lax.scan(body, carry, arange(k))`, or the same k iterations unrolled (Ops.unroll: on a GPU a
+    scanned body re-slices the stacked weights it indexes every iteration, a copy of each; unrolled, every
+    index is static and each matmul reads its weights in place). -> (carry, stacked outputs)."""
+    if not unroll:
+        return jax.lax.scan(body, carry, jnp.arange(k, dtype=jnp.int32))
+    outputs = []
+    for j in range(k):
+        carry, out = body(carry, j)
+        outputs.append(out)
+    return carry, jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *outputs)
 
 
 def draft_logprobs_spec(step_config, vocab_size: int) -> Spec:

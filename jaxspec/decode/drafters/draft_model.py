@@ -16,7 +16,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxspec.decode.drafters.common import check_same_vocab, draft_logprobs_spec, one_token_batch, pick_drafts
+from jaxspec.decode.drafters.common import (
+    check_same_vocab, draft_logprobs_spec, draft_loop, one_token_batch, pick_drafts)
 from jaxspec.nn.decoder import Decoder
 
 
@@ -55,8 +56,8 @@ class DraftModelDrafter:
             draft, logprobs = pick_drafts(logits, ctx, j, self.draft_sampling)
             return (model.commit(layers, updates, ctx.slot, rows), draft, pos + 1), (draft, logprobs)
 
-        (speculative, _, _), (drafts, logprobs) = jax.lax.scan(
-            draft_one, (committed, first_tok, ctx.num_tokens - 1), jnp.arange(k, dtype=jnp.int32))
+        (speculative, _, _), (drafts, logprobs) = draft_loop(
+            draft_one, (committed, first_tok, ctx.num_tokens - 1), k, ctx.ops.unroll)
         per_slot = model.per_slot_fields(ctx.cache)   # (b)'s pages are kept, its per-slot state is not
         layers = {kind: {name: committed[kind][name] if name in per_slot[kind] else speculative[kind][name]
                          for name in fields} for kind, fields in speculative.items()}

@@ -17,7 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.decode.drafters.common import draft_logprobs_spec, kv_slots_for, one_token_batch, pick_drafts
+from jaxspec.decode.drafters.common import (
+    draft_logprobs_spec, draft_loop, kv_slots_for, one_token_batch, pick_drafts)
 from jaxspec.models.config import ModelConfig
 from jaxspec.nn.eagle import EagleHead
 from jaxspec.nn.ops import ForwardBatch
@@ -74,8 +75,8 @@ class EagleDrafter:
             draft, logprobs = pick_drafts(head.logits(params, tp, hidden), ctx, j, self.draft_sampling)
             return (kv, hidden.astype(feat.dtype), draft, pos + 1), (draft, logprobs)
 
-        (kv, _, _, _), (drafts, logprobs) = jax.lax.scan(
-            draft_one, (kv, last_feature, first_tok, last_pos), jnp.arange(k, dtype=jnp.int32))
+        (kv, _, _, _), (drafts, logprobs) = draft_loop(
+            draft_one, (kv, last_feature, first_tok, last_pos), k, ops.unroll)
         new_state = dict(state, layers={"attention": kv}, feature=saved)
         if self.draft_sampling == "sample":
             new_state["draft_logprobs"] = state["draft_logprobs"].at[ctx.slot].set(jnp.swapaxes(logprobs, 0, 1))
