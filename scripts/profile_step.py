@@ -142,7 +142,8 @@ def main():
             out = runner.replay(T)
         launch_s = (time.perf_counter() - t0) / 10
         jax.block_until_ready(out["tokens"])
-        print(f"batch {b}: host time to launch one step {1e3 * launch_s:.3f} ms; device step {1e3 * step_s:.3f} ms",
+        print(f"batch {b}: host time to launch one step {1e3 * launch_s:.3f} ms; device step {1e3 * step_s:.3f} ms; "
+              f"{runner.argument_buffers()} argument buffers; {runner.kernels_per_step(T)} kernels (compiled HLO)",
               flush=True)
         bound = decode_bytes(engine, b, a.context + 8) / 2.98e12
         rows.append((b, T, 1e3 * step_s, 1e3 * bound))

@@ -9,6 +9,7 @@ Hooks for benchmarks and profiles: `bucket_for`, `last_inputs` and `replay` (run
 from __future__ import annotations
 
 import collections
+import re
 import time
 
 import jax
@@ -100,6 +101,18 @@ class ModelRunner:
     # ---- facts -------------------------------------------------------------------------------------
     def num_compiled(self) -> int:
         return sum(f._cache_size() for f in self._steps.values())
+
+    def kernels_per_step(self, T: int, variant: StepVariant = StepVariant()) -> int:
+        """Instructions of the compiled step's entry computation that launch work (fusions, custom calls,
+        copies, ...; not parameters, constants, bitcasts or tuple plumbing): the kernels one step of bucket T
+        runs, from the compiled HLO of this backend."""
+        buf = jax.device_put(self.new_inputs(T).pack())
+        text = self.step_fn(T, variant).lower(self.params, self.drafter_params, self.state, buf).compile().as_text()
+        entry = text[text.index("ENTRY"):]
+        entry = entry[:entry.index("\n}")]
+        plumbing = {"parameter", "constant", "bitcast", "tuple", "get-tuple-element"}
+        ops = re.findall(r"= (?:\([^=]*?\)|[^\s(]+) ([\w-]+)\(", entry)   # the opcode after each result's shape
+        return sum(op not in plumbing for op in ops)
 
     def argument_buffers(self) -> int:
         """Buffers one step call passes: params, drafter params, decode state, the packed inputs."""

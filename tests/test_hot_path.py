@@ -1,0 +1,84 @@
+"""The engine's hot path: the host never waits for the device except to read the one step output it needs,
+and the compiled step's kernels stay few."""
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from conftest import random_model
+from jaxspec import LLM, SamplingParams
+
+HEAVY = 768   # the injected device work: three [HEAVY, HEAVY] matmuls per step
+
+
+def slow_device(runner, monkeypatch):
+    """Every step also runs a few hundred milliseconds of device work that all its results (state and
+    outputs) depend on, as a real accelerator's step keeps its results unready while the host moves on."""
+    orig, cache = runner.step_fn, {}
+
+    def heavy(seed):
+        x = jnp.full((HEAVY, HEAVY), 1e-3, jnp.float32) * seed
+        return jnp.sum(x @ x @ x @ x) * 0.0
+
+    def step_fn(T, variant):
+        if (T, variant) not in cache:
+            fn = orig(T, variant)
+
+            @functools.partial(jax.jit, donate_argnums=(2,))
+            def slow(params, drafter_params, state, buf):
+                gate = heavy(buf[0].astype(jnp.float32))          # depends on this step's input: not folded
+                state, out = fn(params, drafter_params, state, buf)
+                delayed = lambda a: a + gate.astype(a.dtype)       # noqa: E731
+                return jax.tree_util.tree_map(delayed, state), jax.tree_util.tree_map(delayed, out)
+            cache[(T, variant)] = slow
+        return cache[(T, variant)]
+
+    monkeypatch.setattr(runner, "step_fn", step_fn)
+    t0 = time.perf_counter()
+    jax.block_until_ready(jax.jit(heavy)(jnp.float32(1)))
+    jax.block_until_ready(jax.jit(heavy)(jnp.float32(2)))
+    t1 = time.perf_counter()
+    jax.block_until_ready(jax.jit(heavy)(jnp.float32(3)))
+    return time.perf_counter() - t1
+
+
+def test_no_hidden_device_reads_on_the_hot_path(monkeypatch):
+    """A mixed workload (chunked prefill, n-gram speculation, penalties, stop ids, logprobs, preemption) on a
+    device slowed down on purpose: planning, building and issuing a step, and processing the previous one,
+    never wait for it; only reading the previous step's output does."""
+    target = random_model(0, num_layers=2)
+    llm = LLM(target, max_num_seqs=4, max_model_len=64, max_num_batched_tokens=16, block_size=4, num_kv_blocks=12,
+              speculative_config=dict(method="ngram", num_speculative_tokens=2))
+    engine = llm.engine
+    delay = slow_device(engine.runner, monkeypatch)
+    prompts = [[5, 6, 7, 8] * 5, [9, 10, 11], [12, 13, 14, 15, 16, 17, 18], [20, 21] * 6]
+    params = [SamplingParams(temperature=0, max_tokens=24, presence_penalty=0.5, logprobs=2),
+              SamplingParams(temperature=0.8, seed=1, max_tokens=24, stop_token_ids=[100, 101]),
+              SamplingParams(temperature=0, max_tokens=24, repetition_penalty=1.2),
+              SamplingParams(temperature=0.7, top_k=5, seed=2, max_tokens=24)]
+    llm.generate(prompts, params, use_tqdm=False)                  # compiles the variants this workload uses
+    timings: dict = {}
+    steps = engine.counters["steps"]
+    reqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    while engine.has_unfinished():
+        engine.step(timings)
+    steps = engine.counters["steps"] - steps
+    assert all(r.finished for r in reqs) and engine.stats()["num_preemptions"] > 0 and steps > 10
+    host = timings["schedule"] + timings["build"] + timings["issue"] + timings["process"]
+    # the device work is the bottleneck and the host waits for it in one place only
+    assert timings["wait"] > 0.5 * steps * delay, (timings, steps, delay)
+    assert host < 0.1 * timings["wait"], (timings, steps, delay)
+
+
+def test_kernels_per_step_stay_few():
+    """Kernels of the compiled step, counted from its HLO on this backend (the CPU's fusions stand in for the
+    GPU's kernels): per layer and in all, a fusion that stops fusing fails here."""
+    counts = {}
+    for layers in (2, 4):
+        llm = LLM(random_model(0, num_layers=layers), max_num_seqs=2, max_model_len=32, max_num_batched_tokens=8,
+                  block_size=4, warmup=False, unroll_layers=True)
+        counts[layers] = llm.engine.runner.kernels_per_step(8)
+    per_layer = (counts[4] - counts[2]) / 2
+    assert per_layer <= 29 and counts[2] <= 91, counts
