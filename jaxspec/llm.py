@@ -9,7 +9,7 @@ from tqdm.auto import tqdm
 
 from jaxspec.sampling_params import SamplingParams
 from jaxspec.sched.engine import Engine, EngineConfig
-from jaxspec.sched.output import RequestOutput, request_output
+from jaxspec.sched.output import RequestOutput, merge_completions, request_output
 from jaxspec.sched.request import Request
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -32,8 +32,9 @@ class LLM:
     def __init__(self, model=DEFAULT_MODEL, *, dtype: str = "auto", max_num_seqs: int = 16,
                  max_model_len: int | None = None, max_num_batched_tokens: int = 512, block_size: int = 16,
                  num_kv_blocks: int | None = None, kv_memory_fraction: float | None = None,
-                 async_scheduling: bool = True, speculative_config=None, warmup: bool = True, seed: int = 0,
-                 attention: str = "auto", unroll_layers: bool | None = None):
+                 async_scheduling: bool = True, speculative_config=None, enable_prefix_caching: bool = True,
+                 warmup: bool = True, seed: int = 0, attention: str = "auto", unroll_layers: bool | None = None,
+                 tensor_parallel_size: int = 1):
         from jaxspec.models.loader import load_model
 
         self.model = model if hasattr(model, "params") else load_model(model, dtype=_resolve_dtype(dtype))
@@ -41,12 +42,13 @@ class LLM:
         self.engine = Engine(self.model, EngineConfig(
             max_num_seqs=max_num_seqs, max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
             block_size=block_size, num_kv_blocks=num_kv_blocks, kv_memory_fraction=kv_memory_fraction,
-            async_scheduling=async_scheduling, warmup=warmup, seed=seed, attention=attention,
-            unroll_layers=unroll_layers), speculative_config)
+            async_scheduling=async_scheduling, enable_prefix_caching=enable_prefix_caching, warmup=warmup, seed=seed,
+            attention=attention, unroll_layers=unroll_layers, tensor_parallel_size=tensor_parallel_size),
+            speculative_config)
         self.speculative_config = self.engine.speculative_config
 
     # ---- prompts -----------------------------------------------------------------------------------
-    def _encode(self, prompt, index: int = 0) -> tuple[list[int], str | None]:
+    def encode_prompt(self, prompt, index: int = 0) -> tuple[list[int], str | None]:
         """One prompt -> (token ids, text or None). A ValueError names the prompt and what is wrong with it."""
         where = f"prompt {index}"
         if isinstance(prompt, str):
@@ -86,22 +88,27 @@ class LLM:
         raise ValueError(f"prompts is {_show(prompts)}: give a string, a list of token ids, a list of chat "
                          "messages, or a list of those")
 
-    def _add(self, prompts, sampling_params, outputs: queue.SimpleQueue | None = None) -> list[Request]:
+    def add_requests(self, prompts, sampling_params=None, outputs=None) -> list[list[Request]]:
+        """Queues every prompt (all checked before any is queued: a ValueError queues nothing); per prompt,
+        its SamplingParams.n completions. `outputs`: an object with `put(RequestOutput)` (a queue) that gets
+        their deltas as the engine confirms them (a server drives the engine on its thread and reads them)."""
         prompts = self._as_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts; give one, or one each")
-        encoded = [self._encode(p, i) for i, p in enumerate(prompts)]
+        encoded = [self.encode_prompt(p, i) for i, p in enumerate(prompts)]
         for (ids, _), sp in zip(encoded, params):   # every request is checked before any is queued
             self.engine.validate_request(ids, sp)
-        return [self.engine.add_request(ids, sp, prompt=text, outputs=outputs) for (ids, text), sp in zip(encoded, params)]
+        return [self.engine.add_group(ids, sp, prompt=text, outputs=outputs) for (ids, text), sp in zip(encoded, params)]
 
     # ---- generation --------------------------------------------------------------------------------
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        reqs = self._add(prompts, sampling_params)
+        """One RequestOutput per prompt, in order; SamplingParams.n completions each in `outputs`."""
+        groups = self.add_requests(prompts, sampling_params)
+        reqs = [r for group in groups for r in group]
         bar = tqdm(total=len(reqs), desc="generating", disable=not use_tqdm, unit="req")
         finished = [0]
 
@@ -119,14 +126,15 @@ class LLM:
         finally:
             bar.close()
         self.engine.drain()
-        return [request_output(r, self.tokenizer) for r in reqs]
+        return [merge_completions([request_output(r, self.tokenizer) for r in group]) for group in groups]
 
     def stream(self, prompts, sampling_params=None) -> Iterator[RequestOutput]:
-        """Yields per-request deltas (new text and token ids) as the engine confirms them. The stream ends
-        when its requests end, whoever ends them (this loop, another call driving the engine, an abort)."""
+        """Yields deltas (new text and token ids) as the engine confirms them: each holds one completion
+        (`outputs[0]`, its `index` among the prompt's n). The stream ends when its requests end, whoever ends
+        them (this loop, another call driving the engine, an abort)."""
         outputs: queue.SimpleQueue = queue.SimpleQueue()
-        reqs = self._add(prompts, sampling_params, outputs=outputs)
-        pending = {r.request_id for r in reqs}
+        reqs = [r for group in self.add_requests(prompts, sampling_params, outputs=outputs) for r in group]
+        pending = {(r.parent_id or r.request_id, r.index) for r in reqs}
         try:
             while pending:
                 try:
@@ -136,7 +144,7 @@ class LLM:
                         self.engine.step()
                     continue
                 if delta.finished:
-                    pending.discard(delta.request_id)
+                    pending.discard((delta.request_id, delta.outputs[0].index))
                 yield delta
         finally:
             for req in reqs:

@@ -8,10 +8,12 @@ import numbers
 MAX_LOGPROBS = 20  # top-n logprobs the step can return per token
 MAX_STOP_TOKEN_IDS = 8
 INT32_MAX = 2**31 - 1  # per-request integers travel to the device as int32
+MAX_N = 256            # completions per prompt
 
 
 @dataclasses.dataclass
 class SamplingParams:
+    n: int = 1                        # completions per prompt (siblings share the prompt's cached blocks)
     temperature: float = 1.0
     top_k: int = -1
     top_p: float = 1.0
@@ -38,6 +40,14 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    def for_completion(self, index: int) -> "SamplingParams":
+        """The params of completion `index` of n: one completion each, and a seed of its own (index 0 keeps
+        the seed, so its tokens are those of the same request with n=1)."""
+        seed = self.seed
+        if seed is not None and index:
+            seed = (seed + index * 0x9E3779B97F4A7C15) % 2**64   # golden-ratio stride: well spread seeds
+        return dataclasses.replace(self, n=1, seed=seed)
+
     def validate(self):
         """Every field checked before a request is queued: a ValueError names the field, its value and the
         valid range (NaN, infinities, bools and values that overflow the device's int32 are refused)."""
@@ -56,6 +66,7 @@ class SamplingParams:
             if not (isinstance(v, numbers.Integral) and not isinstance(v, bool) and lo <= v <= hi):
                 bad(name, what or f"it must be an int in [{lo}, {hi}]")
 
+        integer("n", 1, MAX_N)
         real("temperature", 0, math.inf, hi_open=True)
         real("top_p", 0, 1, lo_open=True)
         integer("top_k", -1, INT32_MAX, f"it must be -1 (off) or an int in [1, {INT32_MAX}]")

@@ -2,6 +2,9 @@
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Four CPU devices for the tensor-parallel tests (everything else runs on the first).
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
 # A per-session persistent compilation cache: engines whose steps differ only in params or in async/sync
 # scheduling (many of tests/test_spec.py) compile once.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
@@ -146,6 +149,8 @@ def random_model(seed: int = 0, *, arch: str = "llama", vocab_size: int = 128, h
         if config.qkv_bias:
             t.update({p + f"self_attn.{n}_proj.bias": 0.1 * rng.standard_normal(w)
                       for n, w in (("q", q), ("k", kv), ("v", kv))})
+        if config.qk_norm:
+            t.update({p + f"self_attn.{n}_norm.weight": 1 + 0.2 * rng.standard_normal(hd) for n in ("q", "k")})
     if base is not None:  # base + noise * (random of the same scale as each base tensor)
         t = {name: b + noise * b.std() * rng.standard_normal(b.shape) for name, b in base.hf_tensors.items()}
     t = {name: np.asarray(a, np.float32) for name, a in t.items()}

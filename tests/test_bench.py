@@ -42,3 +42,23 @@ def test_steady_state_reports_bubble_roofline_and_speedup_bound(tmp_path):
     for r in results[2:]:
         assert [b["batch"] for b in r["speedup_bound"]] == [1, 2]
         assert all(b["bound"] > 0 and b["of_bound"] > 0 for b in r["speedup_bound"])
+
+
+def test_poisson_arrivals_on_a_shared_prefix_match_the_offline_run(tmp_path):
+    """--request-rate: requests arrive over time and are served by the engine on its own thread; the greedy
+    tokens equal those of the all-at-once run, and the shared prefix is reused only with caching on."""
+    common = ["--model", "smollm2-135m-instruct", "--random-weights", "--dtype", "float32", "--dataset", "prefix",
+              "--prefix-len", "32", "--input-len", "4", "--num-prompts", "4", "--output-len", "4",
+              "--max-concurrency", "2", "--max-model-len", "96", "--max-num-batched-tokens", "32", "--quiet"]
+    results = {}
+    for name, extra in [("offline", []), ("online", ["--request-rate", "40"]),
+                        ("online-off", ["--request-rate", "40", "--no-enable-prefix-caching"])]:
+        out = tmp_path / f"{name}.json"
+        assert main(common + extra + ["--json", str(out)]) == 0
+        (results[name],) = json.loads(out.read_text())
+    assert results["online"]["request_rate"] == 40 and results["online"]["requests"] == 4
+    assert results["online"]["output_digest"] == results["offline"]["output_digest"] == \
+        results["online-off"]["output_digest"]
+    assert results["online"]["prefix_cache"]["hit_tokens"] > 0
+    assert results["online-off"]["prefix_cache"]["enabled"] is False
+    assert results["online"]["ttft_ms"]["median"] > 0 and results["online"]["tpot_ms"]["median"] > 0

@@ -189,7 +189,7 @@ def test_recompiles_zero_after_several_buckets(llm_async, monkeypatch):
     monkeypatch.setattr(runner, "bucket_for", lambda n: used.append(orig(n)) or used[-1])
     compiled = runner.num_compiled()
     for params in (greedy_params(), [SamplingParams(temperature=0.7, seed=i, max_tokens=m) for i, m in enumerate(MAXT)]):
-        run(llm_async, PROMPTS, params)
+        run(llm_async, [[t ^ 1 for t in p] for p in PROMPTS], params)   # prompts the prefix cache has not seen
     assert len(set(used)) >= 3, used
     assert runner.num_compiled() == compiled   # greedy and plain sampling: warmed at start-up
     assert llm_async.stats()["compiled_steps"] >= len(WARM_VARIANTS) * len(llm_async.stats()["token_buckets"])
@@ -362,14 +362,16 @@ def test_abort_mid_flight_frees_blocks_and_slot(llm_async, reference):
     assert_idle(llm)
 
 
-def test_stream_close_aborts_and_engine_recovers(llm_async, reference):
+def test_stream_close_aborts_and_engine_recovers(llm_async, reference, monkeypatch):
+    streamed, add_group = [], llm_async.engine.add_group
+    monkeypatch.setattr(llm_async.engine, "add_group", lambda *a, **k: (g := add_group(*a, **k), streamed.extend(g))[0])
     gen = llm_async.stream(PROMPTS[:3], greedy_params([20] * 3))
     first = next(gen)
     assert not first.finished and len(first.token_ids) >= 1
     gen.close()
-    streamed = list(llm_async.engine.requests.values())[-3:]
-    assert first.request_id in {r.request_id for r in streamed}
+    assert first.request_id in {r.request_id for r in streamed} and len(streamed) == 3
     assert all(r.finished and r.finish_reason == "abort" for r in streamed)
+    assert not llm_async.engine.requests          # finished requests are forgotten
     assert_idle(llm_async)
     assert run(llm_async, PROMPTS, greedy_params()) == reference["greedy"]
 

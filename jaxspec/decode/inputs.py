@@ -44,6 +44,7 @@ ROW_FIELDS = {
     "num_drafts": Field(np.int32, 0),           # of num_new, drafts to verify
     "first_token": Field(np.int32, 0),          # index in T of the row's first token
     "sample": Field(np.int32, 0),               # 1: the row emits tokens
+    "new_slot": Field(np.int32, 0),             # 1: the request's first step in this slot (its state is stale)
     # fixed for the request's life
     "prompt_len": Field(np.int32, 0, lambda r, v: len(r.prompt_token_ids)),
     "seed": Field(np.int32, 0, _seed_word(0)),

@@ -13,17 +13,25 @@ import re
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
 from jaxspec.decode.inputs import StepInputs
-from jaxspec.decode.state import StepConfig, init_state
+from jaxspec.decode.state import DecodeState, StepConfig, init_state, state_schema
 from jaxspec.decode.step import StepVariant, make_step
 from jaxspec.nn import schema
 from jaxspec.nn.decoder import Decoder
 from jaxspec.nn.ops import Ops
+from jaxspec.nn.sharding import PARAM_RULES, STATE_RULES
 
 MIN_TOKEN_BUCKET = 8
+
+
+def _write_history(state, slot, ids, n):
+    pos = jnp.arange(ids.shape[0])
+    return state.replace(history=state.history.at[slot, jnp.where(pos < n, pos, state.history.shape[1])].set(
+        ids, mode="drop"))
 
 
 class ModelRunner:
@@ -35,6 +43,20 @@ class ModelRunner:
         self.dtype = model.params["embed"].dtype
         drafter_schema = drafter.state_schema(step_config) if drafter is not None else None
         self.state = init_state(self.target, step_config, self.dtype, drafter_schema)
+        # Tensor parallelism: params and state placed on the mesh by their declared axes; the step keeps the
+        # state's placement (it is donated) and returns its outputs whole.
+        self.tp, self.state_shardings, self.input_sharding = ops.tp, None, None
+        if self.tp is not None:
+            tp = self.tp
+            self.params = jax.device_put(self.params, tp.shardings(self.target.param_schema(), PARAM_RULES))
+            if drafter_params is not None:
+                self.drafter_params = jax.device_put(drafter_params, tp.shardings(drafter.param_schema(), PARAM_RULES))
+            self.state_shardings = DecodeState(**tp.shardings(state_schema(self.target, step_config), STATE_RULES),
+                                               drafter=tp.shardings(drafter_schema, STATE_RULES)
+                                               if drafter_schema is not None else None)
+            self.state = jax.device_put(self.state, self.state_shardings)
+            self.input_sharding = tp.replicated
+        self._write_history = jax.jit(_write_history, donate_argnums=(0,), out_shardings=self.state_shardings)
         cap = max(max_num_batched_tokens, MIN_TOKEN_BUCKET)
         self.token_buckets = [b for b in (MIN_TOKEN_BUCKET << i for i in range(32)) if b < cap] + [cap]
         # A step has at most one row per token, and at least MIN_TOKEN_BUCKET rows even when max_num_seqs is
@@ -62,8 +84,9 @@ class ModelRunner:
         """The jitted step of bucket T and this variant (compiled on first use)."""
         fn = self._steps.get((T, variant))
         if fn is None:
+            out_shardings = None if self.tp is None else (self.state_shardings, self.tp.replicated)
             fn = self._steps[(T, variant)] = make_step(self.target, self.drafter, self.step_config, T,
-                                                       self.rows_for(T), variant)
+                                                       self.rows_for(T), variant, out_shardings)
         return fn
 
     def run(self, inputs: StepInputs, variant: StepVariant) -> dict:
@@ -73,13 +96,22 @@ class ModelRunner:
         # One transfer of a buffer built for this step alone and never touched again: on the CPU backend
         # the transfer may read host memory after this call returns (even with may_alias=False), so a
         # reused staging buffer would need double-buffering.
-        buf = jax.device_put(inputs.pack(), may_alias=False)
+        buf = jax.device_put(inputs.pack(), self.input_sharding, may_alias=False)
         self.state, out = self.step_fn(T, variant)(self.params, self.drafter_params, self.state, buf)
         for array in out.values():
             array.copy_to_host_async()
         self.last_inputs[T] = (variant, buf)
         self.issue_seconds.append(time.perf_counter() - t0)
         return out
+
+    def write_history(self, slot: int, token_ids: list[int]):
+        """The slot's device history gets the ids of a prefix that came from the prefix cache (no step
+        computes them; penalties and prompt lookup read them). One small dispatch, padded to a power of two."""
+        n = len(token_ids)
+        size = max(16, 1 << (n - 1).bit_length())
+        ids = np.zeros(size, np.int32)
+        ids[:n] = token_ids
+        self.state = self._write_history(self.state, np.int32(slot), ids, np.int32(n))
 
     def replay(self, T: int) -> dict:
         """Runs bucket T's last live inputs again (benchmarks: the device time of a real step). Each replay

@@ -83,6 +83,7 @@ class DraftContext:
     emitted: Any               # i32[R, K+1] tokens emitted this step (-1 padded)
     num_accepted: Any          # i32[R]
     sample_rows: Any           # bool[R] rows that emitted tokens (the ones that need drafts)
+    new_slot: Any              # bool[R] the request's first step in its slot (what the slot kept is stale)
     first_token: Any           # i32[R] index in T of each row's first token
     sampling: sampling.SamplingTensors
     keys: Any                  # [R, K] PRNG keys of the draft positions, for drafts drawn by sampling
@@ -108,6 +109,7 @@ def step(target, drafter, sc: StepConfig, variant: StepVariant, params, drafter_
                            batch=tok.batch, token_valid=tok.valid, hidden=hidden, aux_hidden=aux,
                            history=state.history, slot=tok.slot, num_tokens=num_tokens, last_final=last_final,
                            emitted=emitted, num_accepted=num_accepted, sample_rows=inp.rows["sample"] > 0,
+                           new_slot=inp.rows["new_slot"] > 0,
                            first_token=inp.rows["first_token"], sampling=st,
                            keys=position_keys(inp, num_tokens, K, fold=2), variant=variant)
         drafter_state, drafts = drafter.propose(drafter_params, state.drafter, ctx)
@@ -264,10 +266,11 @@ def outputs(variant: StepVariant, raw_logits, emitted, num_accepted) -> dict:
     return out
 
 
-def make_step(target, drafter, sc: StepConfig, num_tokens: int, num_rows: int, variant: StepVariant = StepVariant()):
+def make_step(target, drafter, sc: StepConfig, num_tokens: int, num_rows: int, variant: StepVariant = StepVariant(),
+              out_shardings=None):
     """The jitted step of one bucket and variant, taking the packed host buffer; the state is donated (the KV
-    pool is updated in place)."""
+    pool is updated in place). `out_shardings`: (the state's, the outputs') under tensor parallelism."""
     def packed_step(params, drafter_params, state, buf):
         inp = unpack(buf, num_tokens, num_rows, sc.max_blocks_per_seq)
         return step(target, drafter, sc, variant, params, drafter_params, state, inp)
-    return jax.jit(packed_step, donate_argnums=(2,))
+    return jax.jit(packed_step, donate_argnums=(2,), out_shardings=out_shardings)

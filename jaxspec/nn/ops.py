@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -106,22 +106,28 @@ class Ops:
     attention: str = "reference"
     block_size: int = 16
     unroll: bool = False
+    tp: Any = None          # nn.sharding.TensorParallel: the mesh the step runs on, or None (one device)
 
     def __post_init__(self):
         if self.attention not in ("pallas", "reference", "dense"):
             raise ValueError(f"attention={self.attention!r} is unknown; choose 'pallas' or 'reference'")
 
     @staticmethod
-    def for_backend(block_size: int, attention: str = "auto", unroll: bool | None = None) -> "Ops":
+    def for_backend(block_size: int, attention: str = "auto", unroll: bool | None = None, tp=None) -> "Ops":
         """The measured choices for this device (docs/benchmarks.md): on a GPU the Pallas kernel and unrolled
         layers, on a CPU the reference attention and scanned layers (fast compiles)."""
         gpu = jax.default_backend() == "gpu"
         if attention == "auto":
             attention = "pallas" if gpu else "reference"
-        return Ops(attention=attention, block_size=block_size, unroll=gpu if unroll is None else unroll)
+        return Ops(attention=attention, block_size=block_size, unroll=gpu if unroll is None else unroll, tp=tp)
 
     def attend(self, q, k_pool, v_pool, layer, batch: ForwardBatch):
-        """q [T, Hq, hd] against the pools [L, S, Hkv, hd] of layer `layer` -> [T, Hq*hd]."""
+        """q [T, Hq, hd] against the pools [L, S, Hkv, hd] of layer `layer` -> [T, Hq*hd]; under tensor
+        parallelism each device attends with its own heads and KV pages."""
+        fn = self._attend_local if self.tp is None or self.attention == "dense" else self.tp.attention(self._attend_local)
+        return fn(q, k_pool, v_pool, layer, batch)
+
+    def _attend_local(self, q, k_pool, v_pool, layer, batch: ForwardBatch):
         if self.attention == "pallas":
             from jaxspec.pallas.paged_attention import paged_attention_fn
             return paged_attention_fn(q, k_pool, v_pool, layer, batch, self.block_size)

@@ -25,6 +25,7 @@ from jaxspec.decode.runner import ModelRunner
 from jaxspec.decode.state import StepConfig
 from jaxspec.decode.step import StepVariant
 from jaxspec.nn.ops import Ops
+from jaxspec.nn.sharding import TensorParallel
 from jaxspec.sampling_params import SamplingParams
 from jaxspec.sched.block_manager import BlockManager
 from jaxspec.sched.output import append_tokens, take_delta
@@ -32,7 +33,7 @@ from jaxspec.sched.request import Request, Status
 from jaxspec.sched.scheduler import ScheduledRow, Scheduler
 
 # The step's per-step row ints, in the order `_dispatch` writes them (decode/inputs.py declares them).
-assert STEP_INT_ROWS == ["slot", "num_new", "start", "num_drafts", "first_token", "sample"]
+assert STEP_INT_ROWS == ["slot", "num_new", "start", "num_drafts", "first_token", "sample", "new_slot"]
 
 # Compiled for every bucket at warm-up: greedy rows only, and rows that sample (no top-k/top-p, penalties
 # or logprobs). Other variants compile the first time a step needs them (counted in stats()["recompiles"]).
@@ -48,11 +49,13 @@ class EngineConfig:
     num_kv_blocks: int | None = None          # default: from kv_memory_fraction on a GPU, else enough for all
     kv_memory_fraction: float | None = None   # share of free device memory for the KV pool (GPU default 0.5)
     async_scheduling: bool = True
+    enable_prefix_caching: bool = True        # off by itself for models with per-slot (recurrent) layer state
     warmup: bool = True
     seed: int = 0
     # Device-specific choices, measured on an H100 (docs/benchmarks.md); "auto" picks the GPU ones there.
     attention: str = "auto"           # "pallas" (reads KV pages in place) or "reference" (jnp gather)
     unroll_layers: bool | None = None  # layers unrolled (stacked weights indexed statically) or scanned
+    tensor_parallel_size: int = 1     # devices the model is split over (nn/sharding.py)
 
     def validate(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
@@ -89,20 +92,30 @@ class Engine:
         spec = SpeculativeConfig.coerce(speculative_config)
         self.speculative_config = spec
         drafter, drafter_params = build_drafter(spec, model) if spec is not None else (None, None)
+        draft_configs = [drafter.config] if drafter is not None and hasattr(drafter, "config") else []
+        tp = TensorParallel.create(config.tensor_parallel_size, [mc, *draft_configs])
         max_blocks = -(-max_model_len // config.block_size)
         dtype = model.params["embed"].dtype
-        num_blocks = config.num_kv_blocks or self._default_num_blocks(config, mc, max_blocks, dtype)
+        num_blocks = config.num_kv_blocks or self._default_num_blocks(config, mc, max_blocks, dtype, tp)
         self.step_config = StepConfig(block_size=config.block_size, num_blocks=num_blocks,
                                       num_slots=config.max_num_seqs, max_model_len=max_model_len,
                                       num_speculative_tokens=spec.num_speculative_tokens if spec else 0)
-        ops = Ops.for_backend(config.block_size, config.attention, config.unroll_layers)
+        ops = Ops.for_backend(config.block_size, config.attention, config.unroll_layers, tp)
         self.runner = ModelRunner(model, self.step_config, ops, drafter, drafter_params,
                                   max_rows=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens)
-        self.blocks = BlockManager(num_blocks, config.block_size, config.max_num_seqs)
+        # A cached block holds KV only: a layer kind with per-slot state (a recurrent state) would need that
+        # state at the prefix's end too, which is not kept, so such models run without the cache.
+        caching = config.enable_prefix_caching and not any(
+            self.runner.target.per_slot_fields(self.step_config.cache_shape).values())
+        self.blocks = BlockManager(num_blocks, config.block_size, config.max_num_seqs, enable_prefix_caching=caching,
+                                   key_overlap=int(drafter is not None and drafter.kv_reads_next_token))
         self.scheduler = Scheduler(self.blocks, self.step_config, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    draft_lookahead=drafter is not None and drafter.needs_kv_lookahead)
+        # Unfinished requests by id, and groups (SamplingParams.n > 1) with any unfinished completion: what
+        # `abort` finds and what a new request's id must not repeat. A finished request is forgotten here.
         self.requests: dict[str, Request] = {}
+        self.groups: dict[str, list[Request]] = {}
         self._ids = itertools.count()
         self._rng = np.random.default_rng(config.seed)
         self._in_flight: _InFlight | None = None
@@ -121,7 +134,7 @@ class Engine:
             self.warmup()
 
     @staticmethod
-    def _default_num_blocks(config, mc, max_blocks, dtype) -> int:
+    def _default_num_blocks(config, mc, max_blocks, dtype, tp=None) -> int:
         enough = config.max_num_seqs * max_blocks
         device = jax.devices()[0]
         stats = device.memory_stats() if device.platform == "gpu" else None
@@ -129,6 +142,8 @@ class Engine:
             return enough
         itemsize = jnp.dtype(dtype).itemsize
         per_block = 2 * mc.num_layers * config.block_size * mc.num_kv_heads * mc.head_dim * itemsize
+        if tp is not None and tp.shard_attention:
+            per_block //= tp.size   # each device holds its KV heads' share of a block
         free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
         return max(1, min(enough, int(free * (config.kv_memory_fraction or 0.5) // per_block)))
 
@@ -136,26 +151,52 @@ class Engine:
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,
                     request_id: str | None = None, outputs: queue.SimpleQueue | None = None) -> Request:
         """Queues a request (checked first: a ValueError queues nothing). `outputs`: a queue that receives the
-        request's RequestOutput deltas as the engine confirms them (its text rendered as it grows)."""
+        request's RequestOutput deltas as the engine confirms them (its text rendered as it grows).
+        One completion: `add_group` takes SamplingParams.n > 1."""
+        if isinstance(params, SamplingParams) and params.n != 1:
+            raise ValueError(f"SamplingParams.n={params.n}: add_request queues one completion; use add_group")
+        return self.add_group(prompt_token_ids, params, prompt, request_id, outputs)[0]
+
+    def add_group(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,
+                  request_id: str | None = None, outputs: queue.SimpleQueue | None = None) -> list[Request]:
+        """Queues a prompt's SamplingParams.n completions, one request each (ids "<request_id>-<index>" when
+        n > 1; `abort(request_id)` ends them all). Completions after the first wait for the first to have
+        cached the prompt's blocks, then share them."""
         with self._lock:
             self.validate_request(prompt_token_ids, params)
             request_id = request_id if request_id is not None else str(next(self._ids))
-            if request_id in self.requests and not self.requests[request_id].finished:
+            if any(not r.finished for r in self._requests_of(request_id)):
                 raise ValueError(f"request_id {request_id!r} is already running")
-            seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**31 - 1))
             eos = tuple(self.tokenizer.eos_token_ids) if self.tokenizer is not None else tuple(
                 self.model.config.eos_token_ids)
-            req = Request(request_id, list(prompt_token_ids), params, seed, eos, prompt=prompt)
-            stop_ids = ([] if params.ignore_eos else list(eos)) + params.stop_token_ids
-            req.min_tokens_stop_ids = stop_ids[:MAX_STOP_IDS] if params.min_tokens else []
-            req.row_ints, req.row_floats = request_values(req, self.model.config.vocab_size)
-            req.step_variant = StepVariant.of(params)
-            if outputs is not None:
-                req.outputs, req.stream_text = outputs, True
-            self.requests[request_id] = req
-            self.scheduler.add(req)
+            group = []
+            for index in range(params.n):
+                sp = params.for_completion(index)
+                seed = sp.seed if sp.seed is not None else int(self._rng.integers(0, 2**31 - 1))
+                req = Request(request_id if params.n == 1 else f"{request_id}-{index}", list(prompt_token_ids), sp,
+                              seed, eos, prompt=prompt, parent_id=request_id if params.n > 1 else None, index=index)
+                stop_ids = ([] if sp.ignore_eos else list(eos)) + sp.stop_token_ids
+                req.min_tokens_stop_ids = stop_ids[:MAX_STOP_IDS] if sp.min_tokens else []
+                req.row_ints, req.row_floats = request_values(req, self.model.config.vocab_size)
+                req.step_variant = StepVariant.of(sp)
+                if outputs is not None:
+                    req.outputs, req.stream_text = outputs, True
+                if group and self.blocks.enable_prefix_caching:
+                    req.prefix_leader = group[0]
+                group.append(req)
+            for req in group:
+                self.requests[req.request_id] = req
+                self.scheduler.add(req)
+            if params.n > 1:
+                self.groups[request_id] = group
         self._wake.set()
-        return req
+        return group
+
+    def _requests_of(self, request_id: str) -> list[Request]:
+        """The requests `request_id` names: one, or a group's n completions."""
+        if request_id in self.groups:
+            return self.groups[request_id]
+        return [self.requests[request_id]] if request_id in self.requests else []
 
     def validate_request(self, prompt_token_ids, params: SamplingParams):
         sc, v = self.step_config, self.model.config.vocab_size
@@ -186,12 +227,19 @@ class Engine:
                              f"num_kv_blocks or lower max_tokens")
 
     def abort(self, request_id: str):
+        """Ends the request (or every completion of a group) with finish_reason "abort"."""
         with self._lock:
-            req = self.requests.get(request_id)
-            if req is not None and not req.finished:
+            reqs = [r for r in self._requests_of(request_id) if not r.finished]
+            for req in reqs:
                 self.scheduler.finish(req, "abort")
                 req.finish_time = time.perf_counter()
-                self._publish([req])
+                self._forget(req)
+            self._publish(reqs)
+
+    def _forget(self, req: Request):
+        self.requests.pop(req.request_id, None)
+        if req.parent_id is not None and all(r.finished for r in self.groups.get(req.parent_id, ())):
+            self.groups.pop(req.parent_id, None)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or self._in_flight is not None
@@ -244,8 +292,8 @@ class Engine:
         counts = np.asarray(num_new, np.int64)
         inp.tokens["row"][:num_tokens] = np.repeat(np.arange(n), counts)
         inp.tokens["offset"][:num_tokens] = np.arange(num_tokens) - np.repeat(first, counts)
-        inp.write_rows(np.array([(row.request.slot, row.num_new, row.start, row.num_drafts, f, row.sample)
-                                 for row, f in zip(rows, first.tolist())], np.int32),
+        inp.write_rows(np.array([(row.request.slot, row.num_new, row.start, row.num_drafts, f, row.sample,
+                                  row.new_slot) for row, f in zip(rows, first.tolist())], np.int32),
                        np.array([row.request.row_ints for row in rows], np.int32),
                        np.array([row.request.row_floats for row in rows], np.float32))
         for r, row in enumerate(rows):
@@ -255,6 +303,8 @@ class Engine:
             if req.min_tokens_stop_ids:
                 inp.stop_ids[r, :len(req.min_tokens_stop_ids)] = req.min_tokens_stop_ids
             inp.block_tables[r, :len(req.block_ids)] = req.block_ids
+            if row.cached_ids:
+                self.runner.write_history(req.slot, row.cached_ids)
         variant = StepVariant.union([row.request.step_variant for row in rows if row.sample])
         t1 = time.perf_counter()
         out = self.runner.run(inp, variant)
@@ -287,6 +337,8 @@ class Engine:
                 if req.status is Status.RUNNING:
                     req.num_computed -= row.num_drafts - n_acc   # the optimistic plan assumed all accepted
             if not row.sample:
+                if req.status is Status.RUNNING:
+                    self._cache_final_blocks(req, row.start + row.num_new)
                 continue
             emitted = tokens[r, :n_acc + 1]
             per_token_lp = None
@@ -297,14 +349,26 @@ class Engine:
                                                  lp["top_logprobs"][r, j, :n_top].tolist()))}
                                 for j in range(n_acc + 1)]
             append_tokens(req, emitted, self.tokenizer, self.step_config.max_model_len, per_token_lp)
+            if req.status is Status.RUNNING:
+                self._cache_final_blocks(req, req.num_tokens - 1)   # the last emitted token's KV is not written
             if req.finish_reason:
                 self.scheduler.finish(req, req.finish_reason)
+                self._forget(req)
                 req.finish_time = time.perf_counter()
             updated.append(req)
         if timings is not None:
             timings["wait"] = timings.get("wait", 0.0) + t1 - t0
             timings["process"] = timings.get("process", 0.0) + time.perf_counter() - t1
         return updated
+
+    def _cache_final_blocks(self, req: Request, num_computed: int):
+        """Registers the request's blocks whose KV is final, now that a step computing its first
+        `num_computed` tokens has been read: confirmed tokens only, never drafts, and with an EAGLE head all
+        but the last of them (the head writes position p-1 when it is fed token p)."""
+        num_final = num_computed - self.blocks.key_overlap
+        if self.blocks.enable_prefix_caching and num_final // self.blocks.block_size > len(req.block_hashes):
+            tokens = req.prompt_token_ids + req.output_token_ids
+            self.blocks.cache_blocks(req.block_ids, tokens, req.block_hashes, num_final)
 
     def _publish(self, updated: list[Request]):
         """Each streamed request with news gets its delta on its output queue."""
@@ -326,7 +390,7 @@ class Engine:
     # ---- the loop on its own -----------------------------------------------------------------------
     def start(self):
         """Runs the loop on a thread of its own until `stop()`: requests added from any thread are served,
-        and their deltas arrive on their output queues (`add_request(..., stream=True)`)."""
+        and their deltas arrive on their output queues (`add_request(..., outputs=queue)`)."""
         if self._thread is not None:
             return
         self._stopping = False
@@ -390,9 +454,12 @@ class Engine:
             "scheduled_rows": c["scheduled_rows"],
             "scheduled_tokens": c["scheduled_tokens"],
             "padded_tokens": c["padded_tokens"],
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
             "num_preemptions": self.scheduler.num_preemptions,
             "num_kv_blocks": self.blocks.num_blocks,
             "free_kv_blocks": self.blocks.num_free_blocks,
+            "prefix_cache": self.blocks.stats(),
             "async_scheduling": self.config.async_scheduling,
         }
         k = self.step_config.num_speculative_tokens

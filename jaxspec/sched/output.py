@@ -1,6 +1,7 @@
 """Output processing: append confirmed tokens, stop checks, incremental detokenization, metrics."""
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 
@@ -8,22 +9,72 @@ from jaxspec.sched.request import Request
 
 
 @dataclasses.dataclass
-class RequestOutput:
-    """One request's result (or, from `LLM.stream`, the delta since the last one)."""
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
+class CompletionOutput:
+    """One completion of a prompt (SamplingParams.n gives several)."""
+    index: int
     text: str
     token_ids: list[int]
-    finished: bool
-    finish_reason: str | None = None   # "stop", "length", "abort"
+    finish_reason: str | None = None   # "stop", "length", "abort"; None while it runs
     logprobs: list | None = None       # per token: {"logprob", "top": [(token_id, logprob), ...]}
     metrics: dict = dataclasses.field(default_factory=dict)
 
     @property
-    def outputs(self):
-        """vLLM-style access: `out.outputs[0].text`."""
-        return [self]
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """One prompt's result (or, from `LLM.stream`, the delta since the last one): its completions in
+    `outputs`, by index. `text`, `token_ids`, `finish_reason`, `logprobs` and `metrics` are the first
+    completion's (a request with n=1 has only that one)."""
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+    @property
+    def logprobs(self) -> list | None:
+        return self.outputs[0].logprobs
+
+    @property
+    def metrics(self) -> dict:
+        return self.outputs[0].metrics
+
+
+def merge_completions(parts: list[RequestOutput]) -> RequestOutput:
+    """One prompt's RequestOutput from its completions' (each holding one), ordered by index."""
+    outputs = sorted((o for p in parts for o in p.outputs), key=lambda o: o.index)
+    first = parts[0]
+    return RequestOutput(first.request_id, first.prompt, first.prompt_token_ids, outputs,
+                         finished=all(o.finished for o in outputs))
+
+
+class AsyncSink:
+    """An output target (`put(delta)`) for a request read from asyncio: the engine thread's deltas land on
+    `queue`, an asyncio.Queue of the event loop it was made on."""
+
+    def __init__(self, loop):
+        self.loop, self.queue = loop, asyncio.Queue()
+
+    def put(self, delta):
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, delta)
+        except RuntimeError:   # the loop has closed: nobody is reading any more
+            pass
 
 
 def append_tokens(req: Request, tokens, tokenizer, max_model_len: int, logprobs=None) -> tuple[list[int], str]:
@@ -102,11 +153,13 @@ def _first_stop(text: str, stops: list[str], search_from: int) -> int | None:
 def request_output(req: Request, tokenizer, delta_from: tuple[int, int] = (0, 0), text_end: int | None = None):
     """The request's RequestOutput: whole, or the delta from (tokens, characters) already sent."""
     n_tok, n_chr = delta_from
-    return RequestOutput(
-        request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
-        text=final_text(req, tokenizer)[n_chr:text_end], token_ids=req.output_token_ids[n_tok:],
-        finished=req.finished, finish_reason=req.finish_reason,
-        logprobs=req.logprobs[n_tok:] if req.params.logprobs is not None else None, metrics=request_metrics(req))
+    completion = CompletionOutput(
+        index=req.index, text=final_text(req, tokenizer)[n_chr:text_end], token_ids=req.output_token_ids[n_tok:],
+        finish_reason=req.finish_reason, logprobs=req.logprobs[n_tok:] if req.params.logprobs is not None else None,
+        metrics=request_metrics(req))
+    return RequestOutput(request_id=req.parent_id if req.parent_id is not None else req.request_id,
+                         prompt=req.prompt, prompt_token_ids=req.prompt_token_ids, outputs=[completion],
+                         finished=req.finished)
 
 
 def take_delta(req: Request, tokenizer) -> RequestOutput | None:

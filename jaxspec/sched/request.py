@@ -23,6 +23,8 @@ class Request:
     seed: int                       # resolved seed: the device derives every random draw from it
     eos_token_ids: tuple[int, ...]
     prompt: str | None = None
+    parent_id: str | None = None    # with SamplingParams.n > 1: the id its n completions answer to
+    index: int = 0                  # ... and which of them it is
     min_tokens_stop_ids: list[int] = dataclasses.field(default_factory=list)  # masked until min_tokens
     row_ints: tuple = ()            # its fixed per-row step inputs (decode/inputs.py ROW_FIELDS), ints
     row_floats: tuple = ()          # ... and floats
@@ -34,6 +36,8 @@ class Request:
     finish_reason: str | None = None
     slot: int | None = None
     block_ids: list[int] = dataclasses.field(default_factory=list)
+    block_hashes: list[int] = dataclasses.field(default_factory=list)  # chained hashes of its cached blocks
+    prefix_leader: Any = None        # the sibling (SamplingParams.n) whose prompt blocks this one reuses
 
     # Tokens a (re)admission prefills: the prompt, plus the outputs so far after a preemption.
     prefill_token_ids: list[int] = dataclasses.field(default_factory=list)

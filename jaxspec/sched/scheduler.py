@@ -21,6 +21,10 @@ class ScheduledRow:
     start: int            # position of the first token for prefill rows; -1: the device's own count
     token_ids: list[int]  # host-known ids (prefill rows); decode rows read theirs on the device
     sample: bool          # the row emits tokens this step
+    new_slot: bool = False  # the request's first step in its slot (what the slot held before is stale)
+    # A (re)admitted request whose first `start` tokens come from the prefix cache: their ids, which the
+    # slot's device history needs (penalties and prompt lookup read it) though no step computes them.
+    cached_ids: list[int] = dataclasses.field(default_factory=list)
 
 
 class Scheduler:
@@ -65,20 +69,37 @@ class Scheduler:
             req = self.waiting[0]
             if req.in_flight:  # a preempted request whose last outputs are still on their way
                 break
-            prefill = req.prompt_token_ids + req.output_token_ids
-            num_new = min(len(prefill), budget)
-            lookahead = self.draft_lookahead if num_new == len(prefill) else 0
-            if not self.blocks.grow(req.block_ids, min(num_new + lookahead, self.max_model_len)):
+            leader = req.prefix_leader   # a sibling (SamplingParams.n) waits for the prompt its leader caches
+            if leader is not None and not (leader.output_token_ids or leader.finished):
+                break
+            row = self._admit(req, budget)
+            if row is None:
                 break
             self.waiting.popleft()
-            req.slot = self.blocks.take_slot()
-            req.status, req.prefill_token_ids, req.num_computed = Status.RUNNING, prefill, 0
             self.running.append(req)
-            rows.append(self._commit(ScheduledRow(req, num_new, 0, 0, prefill[:num_new],
-                                                  sample=num_new == len(prefill))))
+            rows.append(self._commit(row))
             scheduled.add(id(req))
-            budget -= num_new
+            budget -= row.num_new
         return rows
+
+    def _admit(self, req: Request, budget: int) -> ScheduledRow | None:
+        """The first row of a waiting request: its prompt (and outputs, after a preemption) minus the
+        prefix the cache holds; None (nothing taken) when its blocks do not fit."""
+        prefill = req.prompt_token_ids + req.output_token_ids
+        req.block_hashes = []
+        cached = self.blocks.match_prefix(prefill, req.block_hashes)
+        start = len(cached) * self.blocks.block_size
+        num_new = min(len(prefill) - start, budget)
+        lookahead = self.draft_lookahead if start + num_new == len(prefill) else 0
+        req.block_ids = list(cached)
+        if not self.blocks.grow(req.block_ids, min(start + num_new + lookahead, self.max_model_len)):
+            self.blocks.free_blocks(req.block_ids)
+            return None
+        self.blocks.record_lookup(len(prefill), start)
+        req.slot = self.blocks.take_slot()
+        req.status, req.prefill_token_ids, req.num_computed = Status.RUNNING, prefill, start
+        return ScheduledRow(req, num_new, 0, start, prefill[start:start + num_new],
+                            sample=start + num_new == len(prefill), new_slot=True, cached_ids=prefill[:start])
 
     def _plan_running(self, req: Request, budget: int) -> ScheduledRow | None:
         if req.prefilling:
@@ -137,8 +158,9 @@ class Scheduler:
     def _release(self, req: Request):
         # Steps already dispatched may still write these blocks and this slot; any later step that
         # reuses them runs after those on the device, since each step consumes the previous state.
+        # (Cached blocks hold only final KV, below every position an in-flight step writes.)
         self.running.remove(req)
-        self.blocks.free(req.block_ids)
+        self.blocks.free_blocks(req.block_ids)
         if req.slot is not None:
             self.blocks.free_slot(req.slot)
             req.slot = None

@@ -11,6 +11,12 @@ class Drafter(Protocol):
     draft_sampling: str         # "argmax" (q a point mass) or "sample" (drawn; q kept per slot in the state)
     aux_layers: tuple[int, ...]  # target layers whose residual stream it reads (EAGLE-3), else ()
     needs_kv_lookahead: bool    # it writes its own KV up to k positions past what the target verifies
+    # Its KV at position p depends on the token at p+1 too (an EAGLE head pairs token p+1 with the target's
+    # feature at p): a prefix-cached block is then valid only for requests that agree one token past it.
+    kv_reads_next_token: bool
+
+    def param_schema(self) -> dict | None:
+        """Its weights, declared (tensor parallelism shards them by their logical axes), or None."""
 
     def state_schema(self, step_config) -> dict | None:
         """Its device state, declared (a sampling drafter includes "draft_logprobs" [slots+1, k, V])."""

@@ -24,11 +24,15 @@ from jaxspec.nn.decoder import Decoder
 class DraftModelDrafter:
     method = "draft_model"
     needs_kv_lookahead = True
+    kv_reads_next_token = False
     aux_layers = ()
 
     def __init__(self, draft_config, draft_sampling: str):
         self.config = draft_config
         self.draft_sampling = draft_sampling
+
+    def param_schema(self) -> dict:
+        return Decoder(self.config).param_schema()
 
     def state_schema(self, step_config):
         schema = {"layers": Decoder(self.config).state_schema(step_config.cache_shape)}

@@ -27,10 +27,14 @@ from jaxspec.nn.schema import Spec
 
 class EagleDrafter:
     needs_kv_lookahead = True
+    kv_reads_next_token = True
 
     def __init__(self, head: EagleHead, draft_sampling: str):
         self.head, self.draft_sampling = head, draft_sampling
         self.method, self.config, self.aux_layers = head.method, head.config, head.aux_layers
+
+    def param_schema(self) -> dict:
+        return self.head.param_schema()
 
     def state_schema(self, step_config):
         D = self.config.hidden_size
@@ -47,12 +51,14 @@ class EagleDrafter:
         T = b.token_ids.shape[0]
         feature = head.features(params, ctx.hidden, ctx.aux_hidden).astype(state["feature"].dtype)   # [T, D]
 
-        # (a) pair each token x_p with the feature at p-1, written at p-1.
+        # (a) pair each token x_p with the feature at p-1, written at p-1. A request's first token in a new
+        # slot after a cached prefix has no feature at p-1 here: its pair is not written (the cached block
+        # keeps the one its first owner wrote, which the block shares).
         row = b.row_of_token
         is_first = jnp.arange(T) == ctx.first_token[row]
         prev_feature = jnp.where(is_first[:, None], state["feature"][ctx.slot[row]], jnp.roll(feature, 1, axis=0))
         pair_pos = b.positions - 1
-        pair_valid = ctx.token_valid & (pair_pos >= 0)
+        pair_valid = ctx.token_valid & (pair_pos >= 0) & ~(is_first & ctx.new_slot[row])
         slots = kv_slots_for(pair_pos, row, pair_valid, b.block_tables, ops.block_size, S)
         pair_batch = ForwardBatch(b.token_ids, jnp.maximum(pair_pos, 0), slots, row, b.block_tables,
                                   jnp.zeros((1,), jnp.int32))

@@ -15,9 +15,13 @@ class NgramDrafter:
     draft_sampling = "argmax"
     aux_layers = ()
     needs_kv_lookahead = False
+    kv_reads_next_token = False
 
     def __init__(self, min_n: int, max_n: int):
         self.min_n, self.max_n = min_n, max_n
+
+    def param_schema(self):
+        return None
 
     def state_schema(self, step_config):
         return None

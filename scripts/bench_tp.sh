@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Tensor parallelism on two GPUs (issue #14): Llama-3.1-8B shapes, random bf16 weights, batch 1/8/32, TP=1 vs
+# TP=2, without and with a Llama-3.2-1B-shaped draft (k=4). Run on nvidia-h200-x2 from the repository root;
+# results under ${OUT:-/tmp/out}. NVLink multicast stays off (the device notes ask for it).
+set -euo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
+for tp in 1 2; do
+  for spec in "" "--spec-method draft_model --draft-model llama-3.2-1b --num-spec-tokens 4"; do
+    tag=tp${tp}${spec:+_draft}
+    python3 -m jaxspec.bench --model llama-3.1-8b --random-weights --dtype bfloat16 --tensor-parallel-size $tp \
+      --input-len 128 --output-len 128 --num-prompts 32 --max-concurrency 32 --max-model-len 1024 \
+      --steady-state 1 8 32 $spec --quiet --json "$OUT/$tag.json"
+  done
+done

@@ -1,0 +1,77 @@
+"""Tensor parallelism on four CPU devices (conftest sets XLA_FLAGS): the model split over 2 or 4 devices by its
+declared logical axes emits the tokens and logprobs of one device, for each layout, under chunked prefill,
+preemption, speculation (every method), async and sync."""
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from conftest import random_model
+from test_prefix_cache import RECURRING
+from test_spec import METHODS, drafters, make_llm, prompt_of, target  # noqa: F401
+from jaxspec import LLM, SamplingParams
+
+TP_ENGINE = dict(dtype="float32", max_num_seqs=4, max_model_len=48, max_num_batched_tokens=8, block_size=4,
+                 num_kv_blocks=14)   # chunked prefill, and a pool too small for the batch: preemption
+PROMPTS = [prompt_of(n, 200 + n) for n in (3, 11, 17, 22)]
+
+
+def tokens_and_logprobs(llm, prompts, **params):
+    outs = llm.generate(prompts, SamplingParams(max_tokens=12, logprobs=2, **params), use_tqdm=False)
+    return [o.token_ids for o in outs], np.array([e["logprob"] for o in outs for e in o.logprobs])
+
+
+def test_four_devices_are_there():
+    assert len(jax.devices()) == 4
+
+
+@pytest.mark.parametrize("arch,sizes", [("llama", (2, 4)), ("qwen2", (4,)), ("qwen3", (2,))])
+def test_tensor_parallel_matches_one_device(arch, sizes):
+    model = random_model(3, arch=arch, num_heads=8, num_kv_heads=4, hidden_size=64, intermediate_size=128)
+    ids, lps = {}, {}
+    for tp in (1, *sizes):
+        llm = LLM(model, **TP_ENGINE, tensor_parallel_size=tp)
+        ids[tp], lps[tp] = tokens_and_logprobs(llm, PROMPTS, temperature=0)
+        assert llm.stats()["num_preemptions"] > 0
+        if tp > 1:
+            qkv = llm.engine.runner.params["layers"]["attention"]["qkv_proj"]
+            assert qkv.sharding.spec == P(None, "tp") and len(qkv.sharding.device_set) == tp
+            assert llm.engine.runner.state.layers["attention"]["k"].sharding.spec == P(None, None, "tp")
+    for tp in sizes:
+        assert ids[tp] == ids[1], f"tp={tp}"
+        assert np.abs(lps[tp] - lps[1]).max() < 1e-4
+
+
+def test_kv_heads_fewer_than_devices_are_replicated(target):
+    """The test target has 2 KV heads: with 4 devices attention stays whole on each, the MLP is split."""
+    with pytest.warns(UserWarning, match="attention .* is replicated"):
+        llm = LLM(target, **TP_ENGINE, tensor_parallel_size=4)
+    params = llm.engine.runner.params["layers"]["attention"]
+    assert params["qkv_proj"].sharding.spec == P() and params["gate_up_proj"].sharding.spec == P(None, "tp")
+    one = LLM(target, **TP_ENGINE)
+    assert tokens_and_logprobs(llm, PROMPTS, temperature=0)[0] == tokens_and_logprobs(one, PROMPTS, temperature=0)[0]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_speculation_under_tensor_parallelism(target, drafters, method):
+    """Two devices (the target's 2 KV heads split), each drafter: seeded sampling with argmax drafts and greedy
+    decoding give one device's tokens and draft counts (async; sync too for two of the methods)."""
+    params = [SamplingParams(temperature=0.7, seed=50 + i, max_tokens=16) for i in range(2)] + [
+        SamplingParams(temperature=0, max_tokens=16)]
+    prompts = [prompt_of(n, 210 + n) for n in (4, 9)] + [RECURRING]
+    results = {}
+    configs = [(1, True), (2, True)] + ([(2, False)] if method in ("draft_model", "eagle3") else [])
+    for tp, mode in configs:
+        llm = make_llm(target, drafters, method, 3, async_scheduling=mode, num_kv_blocks=32,
+                       tensor_parallel_size=tp)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        results[tp, mode] = [(o.token_ids, o.metrics["num_draft_tokens"], o.metrics["num_accepted_tokens"])
+                             for o in outs]
+        assert llm.stats()["spec"]["accepted_tokens"] > 0 and llm.stats()["num_preemptions"] == 0
+    assert all(r == results[1, True] for r in results.values())
+
+
+def test_invalid_tensor_parallel_sizes_are_refused(target):
+    for size, why in [(8, "only 4 local device"), (3, "the MLP width"), (0, "the MLP width"), (True, "the MLP width")]:
+        with pytest.raises(ValueError, match=rf"tensor_parallel_size={size!r} is invalid \({why}.*valid sizes here: \[1, 2, 4\]"):
+            LLM(target, **TP_ENGINE, tensor_parallel_size=size)
