@@ -8,6 +8,16 @@ import os
 import sys
 
 
+def json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"a JSON object is needed, got {text!r}")
+    return value
+
+
 def add_engine_args(p: argparse.ArgumentParser):
     """The LLM options a command line sets (vLLM's flag names)."""
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
@@ -19,7 +29,7 @@ def add_engine_args(p: argparse.ArgumentParser):
     p.add_argument("--kv-memory-fraction", type=float, default=None)
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--speculative-config", type=json.loads, default=None,
+    p.add_argument("--speculative-config", type=json_object, default=None,
                    help='JSON, e.g. \'{"method": "eagle3", "model": "path/to/head", "num_speculative_tokens": 3}\'')
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="devices to split the model over")

@@ -185,3 +185,18 @@ def test_engine_loop_on_its_own_thread_serves_queues():
     finally:
         engine.stop()
     assert not engine.running_on_thread and not engine.has_unfinished()
+
+    # A loop that fails ends every request (its reader is not left waiting) and refuses new ones.
+    def broken_step(timings=None):
+        raise RuntimeError("device lost")
+    engine.step = broken_step
+    engine.start()
+    try:
+        q = queue.SimpleQueue()
+        req = engine.add_request(prompts[0], params[0], outputs=q)
+        assert q.get(timeout=60).finish_reason == "abort" and req.finished
+        assert isinstance(engine.failure, RuntimeError)
+        with pytest.raises(RuntimeError, match="engine loop stopped after an error"):
+            engine.add_request(prompts[0], params[0])
+    finally:
+        engine.stop()

@@ -15,6 +15,7 @@ import numbers
 import queue
 import threading
 import time
+import traceback
 
 import jax
 import jax.numpy as jnp
@@ -130,6 +131,7 @@ class Engine:
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self.failure: BaseException | None = None   # what stopped the loop thread, if anything did
         if config.warmup:
             self.warmup()
 
@@ -163,6 +165,8 @@ class Engine:
         n > 1; `abort(request_id)` ends them all). Completions after the first wait for the first to have
         cached the prompt's blocks, then share them."""
         with self._lock:
+            if self.failure is not None:
+                raise RuntimeError(f"the engine loop stopped after an error: {self.failure!r}")
             self.validate_request(prompt_token_ids, params)
             request_id = request_id if request_id is not None else str(next(self._ids))
             if any(not r.finished for r in self._requests_of(request_id)):
@@ -409,14 +413,22 @@ class Engine:
         return self._thread is not None
 
     def _serve(self):
-        while not self._stopping:
-            if self.has_unfinished():
-                self.step()
-                with self._stepped:
-                    self._stepped.notify_all()
-            else:
-                self._wake.wait(0.1)
-                self._wake.clear()
+        try:
+            while not self._stopping:
+                if self.has_unfinished():
+                    self.step()
+                    with self._stepped:
+                        self._stepped.notify_all()
+                else:
+                    self._wake.wait(0.1)
+                    self._wake.clear()
+        except BaseException as e:   # the loop is gone: end every request rather than leave its reader waiting
+            self.failure = e
+            traceback.print_exc()
+            for request_id in list(self.requests):
+                self.abort(request_id)
+            with self._stepped:
+                self._stepped.notify_all()
 
     def run_until(self, done, on_update=None):
         """Until `done()`: drives the loop (or, when it runs on its own thread, waits for it). `on_update`

@@ -50,6 +50,8 @@ class Completions:
             groups = server.llm.add_requests(prompts, params, outputs=self.sink)
         except ValueError as e:
             raise APIError(400, str(e)) from None
+        except RuntimeError as e:   # the engine loop has stopped
+            raise APIError(503, str(e), "ServiceUnavailableError") from None
         self.requests = [r for g in groups for r in g]
         self.prompt_tokens = [len(g[0].prompt_token_ids) for g in groups]
         # a completion's position among all of this HTTP request's choices
@@ -298,6 +300,8 @@ def build_app(llm, model_name: str, api_key: str | None = None) -> FastAPI:
 
     @app.get("/health")
     async def health():
+        if llm.engine.failure is not None:   # the engine loop died: every request would be refused
+            return error_response(503, f"the engine loop stopped: {llm.engine.failure!r}", "ServiceUnavailableError")
         return Response(status_code=200)
 
     @app.get("/v1/models")
