@@ -85,3 +85,35 @@ def test_kernels_per_step_stay_few():
         counts[layers] = llm.engine.runner.kernels_per_step(8)
     per_layer = (counts[4] - counts[2]) / 2
     assert per_layer <= 29 and counts[2] <= 91, counts
+
+
+def test_adding_from_another_thread_never_waits_for_a_step(monkeypatch):
+    """With the loop on its own thread and a slow device (the loop holds the engine for whole steps, the
+    device wait included), a client thread's add_request and abort return at once, however many steps run:
+    the loop applies them at its next step. (A client that waited for the engine's lock would wait out a
+    step each time, and a loop that takes the lock back at once can starve it for many.)"""
+    target = random_model(0, num_layers=2)
+    llm = LLM(target, max_num_seqs=4, max_model_len=96, block_size=4)
+    engine = llm.engine
+    llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    delay = slow_device(engine.runner, monkeypatch)
+    long = engine.add_request([1, 2, 3], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
+    engine.start()
+    try:
+        while engine.counters["steps"] < 3:   # the loop is busy stepping
+            time.sleep(0.01)
+        waits, reqs = [], []
+        for i in range(5):
+            t0 = time.perf_counter()
+            reqs.append(engine.add_request([7, 8, 9 + i], SamplingParams(temperature=0, max_tokens=40,
+                                                                          ignore_eos=True)))
+            t1 = time.perf_counter()
+            engine.abort(reqs[-1].request_id) if i % 2 else None
+            waits.append(max(t1 - t0, time.perf_counter() - t1))
+            time.sleep(delay / 3)
+        assert max(waits) < max(delay / 2, 0.05), (waits, delay)   # a starved client waited > 1 s here
+        engine.run_until(lambda: all(r.finished for r in reqs + [long]))
+    finally:
+        engine.stop()
+    assert [r.finish_reason for r in reqs] == ["length", "abort", "length", "abort", "length"]
+    assert long.finish_reason == "length" and engine.blocks.num_free_blocks == engine.blocks.num_blocks

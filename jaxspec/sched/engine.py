@@ -9,6 +9,7 @@ which case callers read each request's deltas from its output queue (`subscribe`
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import numbers
@@ -125,8 +126,13 @@ class Engine:
         k = self.step_config.num_speculative_tokens
         self.spec_counters = {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0,
                               "accepted_per_position": np.zeros(max(k, 1), np.int64)}
-        # The loop on its own thread (start/stop): every engine change is made under this lock.
+        # The loop on its own thread (start/stop): every engine change is made under this lock, which the loop
+        # holds for a whole step (the device wait included). Other threads never wait for it: their new
+        # requests and aborts go into `_intake`, which the loop applies at the start of its next step.
         self._lock = threading.RLock()
+        self._intake: collections.deque = collections.deque()   # ("add", [Request]) | ("abort", request_id)
+        self._intake_lock = threading.Lock()                     # held for an append or a drain, never a step
+        self._pending_ids: set[str] = set()                      # ids added to the intake, not yet applied
         self._stepped = threading.Condition(self._lock)   # notified after each step of the thread's loop
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
@@ -164,15 +170,15 @@ class Engine:
         """Queues a prompt's SamplingParams.n completions, one request each (ids "<request_id>-<index>" when
         n > 1; `abort(request_id)` ends them all). Completions after the first wait for the first to have
         cached the prompt's blocks, then share them."""
-        with self._lock:
-            if self.failure is not None:
-                raise RuntimeError(f"the engine loop stopped after an error: {self.failure!r}")
-            self.validate_request(prompt_token_ids, params)
+        if self.failure is not None:
+            raise RuntimeError(f"the engine loop stopped after an error: {self.failure!r}")
+        self.validate_request(prompt_token_ids, params)
+        eos = tuple(self.tokenizer.eos_token_ids) if self.tokenizer is not None else tuple(
+            self.model.config.eos_token_ids)
+        with self._intake_lock:
             request_id = request_id if request_id is not None else str(next(self._ids))
-            if any(not r.finished for r in self._requests_of(request_id)):
+            if request_id in self._pending_ids or any(not r.finished for r in self._requests_of(request_id)):
                 raise ValueError(f"request_id {request_id!r} is already running")
-            eos = tuple(self.tokenizer.eos_token_ids) if self.tokenizer is not None else tuple(
-                self.model.config.eos_token_ids)
             group = []
             for index in range(params.n):
                 sp = params.for_completion(index)
@@ -188,13 +194,32 @@ class Engine:
                 if group and self.blocks.enable_prefix_caching:
                     req.prefix_leader = group[0]
                 group.append(req)
+            if self.failure is not None:   # checked again under the intake lock: the failing loop drains it
+                raise RuntimeError(f"the engine loop stopped after an error: {self.failure!r}")
+            self._pending_ids.add(request_id)
+            self._intake.append(("add", (request_id, group)))
+        if not self.running_on_thread:
+            with self._lock:
+                self._apply_intake()
+        self._wake.set()
+        return group
+
+    def _apply_intake(self):
+        """(Under `_lock`.) Queues the requests and applies the aborts other threads handed in, in order."""
+        with self._intake_lock:
+            items = list(self._intake)
+            self._intake.clear()
+            self._pending_ids.clear()
+        for kind, value in items:
+            if kind == "abort":
+                self._abort_now(value)
+                continue
+            request_id, group = value
             for req in group:
                 self.requests[req.request_id] = req
                 self.scheduler.add(req)
-            if params.n > 1:
+            if len(group) > 1:
                 self.groups[request_id] = group
-        self._wake.set()
-        return group
 
     def _requests_of(self, request_id: str) -> list[Request]:
         """The requests `request_id` names: one, or a group's n completions."""
@@ -231,7 +256,16 @@ class Engine:
                              f"num_kv_blocks or lower max_tokens")
 
     def abort(self, request_id: str):
-        """Ends the request (or every completion of a group) with finish_reason "abort"."""
+        """Ends the request (or every completion of a group) with finish_reason "abort": at once when the
+        caller drives the loop, at the start of the loop's next step when it runs on its own thread."""
+        with self._intake_lock:
+            self._intake.append(("abort", request_id))
+        if not self.running_on_thread:
+            with self._lock:
+                self._apply_intake()
+        self._wake.set()
+
+    def _abort_now(self, request_id: str):
         with self._lock:
             reqs = [r for r in self._requests_of(request_id) if not r.finished]
             for req in reqs:
@@ -246,7 +280,7 @@ class Engine:
             self.groups.pop(req.parent_id, None)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work() or self._in_flight is not None
+        return bool(self._intake) or self.scheduler.has_work() or self._in_flight is not None
 
     # ---- one iteration -----------------------------------------------------------------------------
     def step(self, timings: dict | None = None) -> list[Request]:
@@ -255,6 +289,7 @@ class Engine:
         with self._lock:
             clock = time.perf_counter
             t0 = clock()
+            self._apply_intake()
             rows = self.scheduler.schedule()
             t1 = clock()
             record = self._dispatch(rows, timings) if rows else None
@@ -425,8 +460,10 @@ class Engine:
         except BaseException as e:   # the loop is gone: end every request rather than leave its reader waiting
             self.failure = e
             traceback.print_exc()
+            with self._lock:
+                self._apply_intake()   # after `failure` is set nothing more enters the intake
             for request_id in list(self.requests):
-                self.abort(request_id)
+                self._abort_now(request_id)
             with self._stepped:
                 self._stepped.notify_all()
 
