@@ -1,15 +1,19 @@
-"""A smaller model of the same vocabulary drafts k tokens autoregressively inside the step.
+"""A smaller model of the same vocabulary drafts k tokens autoregressively inside the step, in k forwards.
 
 Its own paged KV cache shares the target's block tables and slot mapping (same block size and count),
-so the scheduler's blocks cover both. Each step:
-  (a) one draft forward over the step's batch (the target's ids, positions and slots) writes the draft
-      KV of every token the target saw; positions past the accepted ones hold rejected drafts and are
-      overwritten by a later step before anything reads them (per-slot layer state is kept at the row's
-      last accepted token, as the target's is);
-  (b) k single-token-per-row forwards: the first feeds the row's last emitted token at position
-      num_tokens-1, each next one the draft just proposed. These write KV up to num_tokens-1+k-1, which
-      is why the drafter asks the scheduler for `needs_kv_lookahead`; their per-slot state is speculative
-      and dropped.
+so the scheduler's blocks cover both. Each step, after verification:
+  (a) one draft forward over the tokens each row now has: the step's tokens up to the row's last accepted
+      one, then the token the row emitted (the correction or the bonus, at position num_tokens-1). Its
+      logits at the emitted token are the first proposal. The emitted token takes the place of the first
+      rejected draft, or, when every draft was accepted (or a prefill chunk was the prompt's last), a spare
+      slot one past the row's tokens: the batch has T + R tokens, each row's kept contiguous (its tokens,
+      then its spare), rows that emitted nothing get no spare, and rejected drafts past the emitted token
+      write no KV. Per-slot layer state is kept at the row's last accepted token, as the target's is.
+  (b) k-1 single-token-per-row forwards, each feeding the draft just proposed. Draft KV is written up to
+      position num_tokens-1+k-1, which is why the drafter asks the scheduler for `needs_kv_lookahead`; their
+      per-slot state is speculative and dropped.
+Unfolded, (a) ran over the step's tokens before verification and (b) took k forwards, the first feeding the
+emitted token alone: the same proposals from k+1 forwards.
 """
 from __future__ import annotations
 
@@ -17,8 +21,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.decode.drafters.common import (
-    check_same_vocab, draft_logprobs_spec, draft_loop, one_token_batch, pick_drafts)
+    check_same_vocab, draft_logprobs_spec, draft_loop, kv_slots_for, one_token_batch, pick_drafts)
 from jaxspec.nn.decoder import Decoder
+from jaxspec.nn.ops import ForwardBatch
 
 
 class DraftModelDrafter:
@@ -43,32 +48,79 @@ class DraftModelDrafter:
     def propose(self, params, state, ctx):
         model = Decoder(self.config, ctx.ops)
         k, S = ctx.num_speculative_tokens, ctx.cache.num_kv_slots
-        # (a) the draft KV of this step's tokens; no logits are needed from this pass.
-        step_batch = ctx.batch._replace(logits_indices=jnp.zeros((1,), jnp.int32))
-        _, _, _, layers, updates = model.forward(params, state["layers"], step_batch)
-        committed = model.commit(layers, updates, ctx.slot, ctx.last_final)
+        # (a) the draft KV of the tokens each row has now, and the first proposal at its emitted token.
+        batch, last_final, emitted_at = folded_batch(ctx, S)
+        logits, _, _, layers, updates = model.forward(params, state["layers"], batch)          # [R, V]
+        committed = model.commit(layers, updates, ctx.slot, last_final)
+        first, first_logprobs = pick_drafts(logits, ctx, 0, self.draft_sampling)
+        if k == 1:
+            layers = committed
+            drafts, logprobs = first[None], None if first_logprobs is None else first_logprobs[None]
+        else:
+            # (b) k-1 autoregressive single-token forwards per row, from the state after the emitted token;
+            # rows that emitted nothing write nothing.
+            rows = jnp.arange(first.shape[0])
 
-        # (b) k autoregressive single-token forwards per row; rows that emitted nothing write nothing.
-        first_tok = jnp.take_along_axis(ctx.emitted, ctx.num_accepted[:, None], axis=1)[:, 0]   # [R]
-        rows = jnp.arange(first_tok.shape[0])
+            def draft_one(carry, j):
+                layers, tok, pos = carry
+                batch = one_token_batch(tok, pos, ctx.sample_rows, ctx.batch.block_tables, ctx.ops.block_size, S,
+                                        ctx.slot)
+                logits, _, _, layers, updates = model.forward(params, layers, batch)            # [R, V]
+                draft, logprobs = pick_drafts(logits, ctx, j + 1, self.draft_sampling)
+                return (model.commit(layers, updates, ctx.slot, rows), draft, pos + 1), (draft, logprobs)
 
-        def draft_one(carry, j):
-            layers, tok, pos = carry
-            batch = one_token_batch(tok, pos, ctx.sample_rows, ctx.batch.block_tables, ctx.ops.block_size, S,
-                                    ctx.slot)
-            logits, _, _, layers, updates = model.forward(params, layers, batch)                # [R, V]
-            draft, logprobs = pick_drafts(logits, ctx, j, self.draft_sampling)
-            return (model.commit(layers, updates, ctx.slot, rows), draft, pos + 1), (draft, logprobs)
-
-        (speculative, _, _), (drafts, logprobs) = draft_loop(
-            draft_one, (committed, first_tok, ctx.num_tokens - 1), k, ctx.ops.unroll)
-        per_slot = model.per_slot_fields(ctx.cache)   # (b)'s pages are kept, its per-slot state is not
-        layers = {kind: {name: committed[kind][name] if name in per_slot[kind] else speculative[kind][name]
-                         for name in fields} for kind, fields in speculative.items()}
+            after_emitted = model.commit(layers, updates, ctx.slot, emitted_at)
+            (speculative, _, _), (rest, rest_logprobs) = draft_loop(
+                draft_one, (after_emitted, first, ctx.num_tokens), k - 1, ctx.ops.unroll)
+            per_slot = model.per_slot_fields(ctx.cache)   # (b)'s pages are kept, its per-slot state is not
+            layers = {kind: {name: committed[kind][name] if name in per_slot[kind] else speculative[kind][name]
+                             for name in fields} for kind, fields in speculative.items()}
+            drafts = jnp.concatenate([first[None], rest])                                       # [k, R]
+            logprobs = None if first_logprobs is None else jnp.concatenate([first_logprobs[None], rest_logprobs])
         new_state = dict(state, layers=layers)
         if self.draft_sampling == "sample":   # [k, R, V] -> this slot's q for the next step's verification
             new_state["draft_logprobs"] = state["draft_logprobs"].at[ctx.slot].set(jnp.swapaxes(logprobs, 0, 1))
         return new_state, drafts.T                                                              # [R, k]
+
+
+def folded_batch(ctx, num_kv_slots: int):
+    """The tokens each row has after this step's verification, T + R of them -> (ForwardBatch with logits at
+    each row's emitted token [R], last_final [R] and emitted_at [R]: indices in it of the row's last token
+    whose KV is final and of its emitted token).
+
+    Row r keeps its tokens at positions < num_tokens-1 (its prefill chunk, its decode token, its accepted
+    drafts) and gets its emitted token at position num_tokens-1: in place of the first rejected draft, or in
+    its spare slot just past its tokens. The target's rows are contiguous; each stays so, moved up by the
+    spares of the sampling rows before it. Rejected drafts past the emitted token keep their place but
+    write no KV; padding tokens and the spares of rows that emitted nothing are left out (position 0, KV
+    slot S: nothing written, their outputs unread).
+    """
+    b, S = ctx.batch, num_kv_slots
+    T, R = b.token_ids.shape[0], ctx.slot.shape[0]
+    N = T + R
+    rows = jnp.arange(R, dtype=jnp.int32)
+    sample, first = ctx.sample_rows, ctx.first_token                                       # [R]
+    emit_pos = ctx.num_tokens - 1                                                          # [R]
+    emit_tok = jnp.take_along_axis(ctx.emitted, ctx.num_accepted[:, None], axis=1)[:, 0]   # [R]
+    start = b.positions[jnp.clip(first, 0, T - 1)]                                         # [R] (rows with tokens)
+    # Spares of the sampling rows placed before row r: its tokens move up by as many.
+    shift = jnp.sum(sample[None, :] & (first[None, :] < first[:, None]), axis=1).astype(jnp.int32)   # [R]
+    row = b.row_of_token
+    to = jnp.where(ctx.token_valid, jnp.arange(T, dtype=jnp.int32) + shift[row], N)         # [T]
+    kept = ctx.token_valid & ~(sample[row] & (b.positions >= emit_pos[row]))
+    emitted_at = first + shift + emit_pos - start                                          # [R]
+    at = jnp.where(sample, emitted_at, N)
+    emit_slot = kv_slots_for(emit_pos, rows, sample, b.block_tables, ctx.ops.block_size, S)
+
+    def place(fill, tokens, emitted):
+        return jnp.full((N,), fill, jnp.int32).at[to].set(tokens, mode="drop").at[at].set(emitted, mode="drop")
+
+    batch = ForwardBatch(place(0, b.token_ids, emit_tok), place(0, b.positions, emit_pos),
+                         place(S, jnp.where(kept, b.slot_mapping, S), emit_slot), place(0, row, rows),
+                         b.block_tables, jnp.clip(emitted_at, 0, N - 1), slot_of_row=b.slot_of_row,
+                         first_token_of_row=jnp.clip(first + shift, 0, N - 1))
+    last_final = jnp.clip(ctx.last_final + shift, 0, N - 1)
+    return batch, last_final, jnp.clip(emitted_at, 0, N - 1)
 
 
 def _as_model(spec_model, dtype_name: str):
