@@ -5,5 +5,13 @@ from jaxspec.sampling_params import SamplingParams
 from jaxspec.sched.output import RequestOutput
 from jaxspec.spec import SpeculativeConfig
 
-__all__ = ["LLM", "SamplingParams", "SpeculativeConfig", "RequestOutput", "generate", "load_model"]
+
+
+def train_eagle3(model, out_dir, **kwargs):
+    """Train an EAGLE-3 head for `model` (see jaxspec.train.train_eagle3)."""
+    from jaxspec.train import train_eagle3 as train
+    return train(model, out_dir, **kwargs)
+
+
+__all__ = ["train_eagle3", "LLM", "SamplingParams", "SpeculativeConfig", "RequestOutput", "generate", "load_model"]
 __version__ = "0.1.0"

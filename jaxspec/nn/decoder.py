@@ -129,15 +129,20 @@ class Decoder:
         return {k: per_slot_fields(LAYER_KINDS[k].state(self.config, cache)) for k in self.kinds}
 
     # ---- one dense sequence -------------------------------------------------------------------------
-    @functools.partial(jax.jit, static_argnums=0)
-    def score(self, params: dict, token_ids):
-        """Dense causal forward over one sequence, no paging: f32 logits [T, V]."""
+    def dense_forward(self, params: dict, token_ids, aux_layers: tuple[int, ...] = ()):
+        """Dense causal forward over one sequence i32[T], no paging: (f32 logits [T, V], hidden [T, D] after the
+        final norm, aux [len(aux_layers), T, D] or None). What `score` and EAGLE training run."""
         T = token_ids.shape[0]
-        dense = dataclasses.replace(self, ops=dataclasses.replace(self.ops, attention="dense", block_size=T))
+        dense = dataclasses.replace(self, ops=dataclasses.replace(self.ops, attention="dense", block_size=T, tp=None))
         positions = jnp.arange(T, dtype=jnp.int32)
         state = initialize(dense.state_schema(CacheShape(num_kv_slots=T, num_slots=1)), params["embed"].dtype)
         zero = jnp.zeros((1,), jnp.int32)
         batch = ForwardBatch(token_ids, positions, positions, jnp.zeros(T, jnp.int32), jnp.zeros((1, 1), jnp.int32),
                              positions, slot_of_row=zero, first_token_of_row=zero)
-        return dense.forward(params, state, batch)[0]
+        logits, hidden, aux, _, _ = dense.forward(params, state, batch, aux_layers)
+        return logits, hidden, aux
 
+    @functools.partial(jax.jit, static_argnums=0)
+    def score(self, params: dict, token_ids):
+        """Dense causal forward over one sequence, no paging: f32 logits [T, V]."""
+        return self.dense_forward(params, token_ids)[0]

@@ -77,9 +77,8 @@ def kv_state(c, cache: CacheShape) -> dict[str, Spec]:
     return {"k": pool, "v": pool}
 
 
-def attention(c, ops: Ops, lp, x, kv: dict, i, batch: ForwardBatch):
-    """x [T, Din] (already normed) -> (attention output after o_proj [T, D], kv with this step's k/v written
-    into layer i of the pools)."""
+def project_qkv(c, lp, x, positions):
+    """x [T, Din] (already normed) -> q [T, Hq, hd], k and v [T, Hkv, hd], q and k rotated to `positions`."""
     T, hd, Hq, Hkv = x.shape[0], c.head_dim, c.num_heads, c.num_kv_heads
     G = Hq // Hkv
     qkv = x @ lp["qkv_proj"].T                                                    # [T, Hkv*(G+2)*hd]
@@ -90,7 +89,13 @@ def attention(c, ops: Ops, lp, x, kv: dict, i, batch: ForwardBatch):
     if "q_norm" in lp:
         q, k = rms_norm(q, lp["q_norm"], c.rms_norm_eps), rms_norm(k, lp["k_norm"], c.rms_norm_eps)
     inv_freq = rope_inv_freq(c)
-    q, k = apply_rope(q, batch.positions, inv_freq), apply_rope(k, batch.positions, inv_freq)
+    return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+
+
+def attention(c, ops: Ops, lp, x, kv: dict, i, batch: ForwardBatch):
+    """x [T, Din] (already normed) -> (attention output after o_proj [T, D], kv with this step's k/v written
+    into layer i of the pools)."""
+    q, k, v = project_qkv(c, lp, x, batch.positions)
     k_pool = kv["k"].at[i, batch.slot_mapping].set(k.astype(kv["k"].dtype), mode="drop")
     v_pool = kv["v"].at[i, batch.slot_mapping].set(v.astype(kv["v"].dtype), mode="drop")
     out = ops.attend(q, k_pool, v_pool, i, batch)                                 # [T, Hq*hd]

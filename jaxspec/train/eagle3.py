@@ -1,0 +1,391 @@
+"""EAGLE-3 heads trained for a target, on the device the target runs on.
+
+Per training step, for a batch of rendered conversations ids [B, T] (mask [B, T] on the assistant's tokens):
+
+    aux, teacher = target(ids)                  # the residual stream after the 3 EAGLE-3 layers [B, T, 3D]; the
+                                                # target's next-token distribution over the draft vocabulary
+    hidden = fc(aux)                            # the feature of each position a                    [B, T, D]
+    for j in 0..J-1:                            # the training-time test: the head unrolled on its own output
+        x = [norm(embed(ids[a+j+1])); hidden_norm(hidden)] at position a+j        # chain a, step j
+        hidden = layer(x) attending to step 0's keys at positions <= a and to chain a's own keys of steps 1..j
+        loss_j = cross-entropy(teacher at a+j+1, draft logits of hidden)        # it predicts token a+j+2
+
+which is what the engine's head (jaxspec.nn.eagle) computes at inference: from the last accepted position a, its
+first draft reads the real feature at a, draft j the head's hidden of draft j-1, and each attends to the pairs
+written at positions <= a and to the chain's own. Gradients reach only the head; the target (and its embedding,
+which the head shares) stays frozen, and its features are computed here, never stored.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec.models.config import ModelConfig
+from jaxspec.nn.decoder import Decoder
+from jaxspec.nn.eagle import EagleHead, eagle3_aux_layers
+from jaxspec.nn.layers import mlp, project_qkv
+from jaxspec.nn.ops import rms_norm
+from jaxspec.nn.schema import initialize
+from jaxspec.train.data import Examples
+
+CHECKPOINTS = "checkpoints"
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    steps: int = 2000
+    batch_size: int = 8
+    learning_rate: float = 3e-4
+    warmup_steps: int = 100
+    weight_decay: float = 0.0
+    grad_clip: float = 0.5
+    ttt_steps: int = 7              # draft steps unrolled per position (the training-time test)
+    step_decay: float = 0.8         # weight of step j's loss: step_decay ** j
+    draft_vocab_size: int = 32000
+    save_every: int = 500           # orbax checkpoint interval (steps); the last step is always saved
+    seed: int = 0
+    # Run the target over every training example once and keep its outputs in device memory (never on disk):
+    # for small datasets trained for many epochs (CPU runs); off, the target runs inside every training step.
+    cache_target_outputs: bool = False
+
+    def __post_init__(self):
+        for name in ("steps", "batch_size", "ttt_steps", "draft_vocab_size", "save_every"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"{name}={getattr(self, name)!r} is invalid; it must be >= 1")
+        if not 0 < self.learning_rate < 1:
+            raise ValueError(f"learning_rate={self.learning_rate!r} is invalid; use a value in (0, 1)")
+
+
+def head_config(target: ModelConfig) -> ModelConfig:
+    """The head's config: one Llama decoder layer (no q/k/v bias, no q/k norm) of the target's width, heads and
+    MLP size, with the rotary settings config.json can carry (what the loader will read back)."""
+    return dataclasses.replace(target, arch="llama", num_layers=1, layer_types=None, tie_word_embeddings=False,
+                               rope_freq_factors=None)
+
+
+def draft_vocabulary(tokens: np.ndarray, weights: np.ndarray, vocab_size: int, size: int) -> np.ndarray:
+    """The `size` most frequent of `tokens` where `weights` > 0 (ties: lower id), sorted: draft id i stands for
+    target id d2t[i]. Ids that never occur fill the rest in id order."""
+    size = min(size, vocab_size)
+    counts = np.bincount(np.asarray(tokens)[np.asarray(weights) > 0].ravel(), minlength=vocab_size)[:vocab_size]
+    return np.sort(np.argsort(-counts, kind="stable")[:size]).astype(np.int32)
+
+
+def predicted_tokens(target, examples: Examples, batch_size: int) -> np.ndarray:
+    """The target's argmax after every position of the examples [N, T]: the tokens a draft head must be able to
+    propose (with self-distilled data they are the data's own tokens; with other data they are not)."""
+    decoder = Decoder(target.config)
+    fn = jax.jit(lambda params, ids: jax.lax.map(
+        lambda seq: jnp.argmax(decoder.dense_forward(params, seq)[0], -1).astype(jnp.int32), ids))
+    parts = [fn(target.params, examples.ids[i:i + batch_size]) for i in range(0, len(examples), batch_size)]
+    return np.concatenate(jax.device_get(parts))
+
+
+def init_head(head: EagleHead, target_params: dict, d2t: np.ndarray, seed: int) -> dict:
+    """Trainable head params (f32): the layer and fc drawn at random, norms at one, the draft lm_head started
+    from the target's output rows of the draft vocabulary (the target's own readout of its final hidden)."""
+    schema = {k: v for k, v in head.param_schema().items() if k != "draft_to_target"}
+    params = initialize(schema, jnp.float32, jax.random.PRNGKey(seed), scale=0.02)
+    out_rows = target_params.get("lm_head", target_params["embed"])
+    params["lm_head"] = jnp.asarray(out_rows, jnp.float32)[jnp.asarray(d2t)]
+    return params
+
+
+# ---- the device side ---------------------------------------------------------------------------------------
+
+def make_target_fn(target_config: ModelConfig, aux_layers: tuple[int, ...]):
+    """jit: (target params, ids [B, T], d2t [Vd]) -> (aux [B, T, 3D] f32, teacher log-probs over the draft
+    vocabulary [B, T, Vd] f32, in_vocab bool[B, T]: the target's argmax is a draft-vocabulary token)."""
+    decoder = Decoder(target_config)
+
+    @jax.jit
+    def target_fn(params, ids, d2t):
+        def one(seq):
+            logits, _, aux = decoder.dense_forward(params, seq, aux_layers)      # [T, V], _, [3, T, D]
+            in_vocab = jnp.zeros(logits.shape[-1], bool).at[d2t].set(True)[jnp.argmax(logits, -1)]
+            teacher = jax.nn.log_softmax(logits[:, d2t], axis=-1)                # [T, Vd]
+            return jnp.concatenate(list(aux), -1).astype(jnp.float32), teacher, in_vocab
+        return jax.lax.map(one, ids)
+    return target_fn
+
+
+def _shift(x, n: int):
+    """x[:, n:] padded with zeros to x's length (position a holds what position a+n held)."""
+    pad = [(0, 0), (0, n)] + [(0, 0)] * (x.ndim - 2)
+    return jnp.pad(x[:, n:], pad)
+
+
+def unrolled_logits(head: EagleHead, params, embed, ids, aux, num_steps: int) -> list:
+    """The head unrolled `num_steps` draft steps from every position at once -> [J] of draft-vocabulary logits
+    [B, T, Vd] f32: step j's row a is chain a's draft j, which predicts token a+j+2. ids i32[B, T];
+    aux [B, T, 3D] the target's residual streams."""
+    c = head.config
+    B, T = ids.shape
+    Hq, Hkv, hd = c.num_heads, c.num_kv_heads, c.head_dim
+    G, scale = Hq // Hkv, 1.0 / math.sqrt(hd)
+    lp = {k: w[0] for k, w in params["layers"]["attention"].items()}
+    causal = jnp.tril(jnp.ones((T, T), bool))
+    hidden = aux @ params["fc"].T                                                         # [B, T, D]
+    keys0 = values0 = None
+    own_k, own_v, out_logits = [], [], []
+    flat = lambda x: x.reshape(B * T, *x.shape[2:])                                      # noqa: E731
+    for j in range(num_steps):
+        tok = _shift(ids, j + 1)                                                          # [B, T] t_{a+j+1}
+        emb = embed[tok].astype(jnp.float32)
+        x = jnp.concatenate([rms_norm(emb, lp["attn_norm"], c.rms_norm_eps),
+                             rms_norm(hidden, params["hidden_norm"], c.rms_norm_eps)], -1)   # [B, T, 2D]
+        positions = jnp.tile(jnp.arange(T, dtype=jnp.int32) + j, B)                      # chain a at a+j
+        q, k, v = project_qkv(c, lp, flat(x), positions)                                  # [BT, Hq|Hkv, hd]
+        q = q.reshape(B, T, Hkv, G, hd)
+        k, v = k.reshape(B, T, Hkv, hd), v.reshape(B, T, Hkv, hd)
+        if j == 0:          # the pairs of real features: every chain attends to those at positions <= a
+            keys0, values0 = k, v
+        else:               # a chain's own drafts: each attends to its earlier ones and itself
+            own_k.append(k)
+            own_v.append(v)
+        s0 = jnp.einsum("btkgd,bskd->btkgs", q, keys0) * scale                            # [B, T, Hkv, G, T]
+        s0 = jnp.where(causal[None, :, None, None, :], s0, -jnp.inf)
+        s_own = [jnp.einsum("btkgd,btkd->btkg", q, ki)[..., None] * scale for ki in own_k]
+        p = jax.nn.softmax(jnp.concatenate([s0] + s_own, -1), -1)
+        out = jnp.einsum("btkgs,bskd->btkgd", p[..., :T], values0)
+        for i, vi in enumerate(own_v):
+            out = out + p[..., T + i, None] * vi[:, :, :, None, :]
+        attn = out.reshape(B * T, Hq * hd) @ lp["o_proj"].T
+        hidden = mlp(c, lp, flat(hidden) + attn).reshape(B, T, -1)                        # [B, T, D]
+        out_logits.append(jnp.einsum("btd,vd->btv", rms_norm(hidden, params["norm"], c.rms_norm_eps),
+                                     params["lm_head"]))
+    return out_logits
+
+
+def ttt_forward(head: EagleHead, params, embed, ids, aux, teacher, weights, num_steps: int, step_decay: float,
+                counted=None):
+    """The training-time test over a batch -> (weighted loss, (per-step loss [J], per-step accuracy [J])).
+    teacher: the target's log-probs over the draft vocabulary [B, T, Vd]; weights [B, T]: 1 where position p's
+    prediction (of token p+1) is trained. Accuracy is over `weights` too, or over `counted` when given (every
+    assistant position: a draft cannot match where the target's argmax is outside the draft vocabulary, and
+    those positions carry weight 0 in `weights`)."""
+    losses, accs, total = [], [], 0.0
+    for j, logits in enumerate(unrolled_logits(head, params, embed, ids, aux, num_steps)):
+        t_lp = _shift(teacher, j + 1)                                                     # teacher at a+j+1
+        w = _shift(weights, j + 1)
+        ce = -jnp.sum(jnp.exp(t_lp) * jax.nn.log_softmax(logits, -1), -1)                 # [B, T]
+        n = jnp.maximum(jnp.sum(w), 1.0)
+        losses.append(jnp.sum(w * ce) / n)
+        hits = w * (jnp.argmax(logits, -1) == jnp.argmax(t_lp, -1))                       # w = 0 off-vocabulary
+        c = w if counted is None else _shift(counted, j + 1)
+        accs.append(jnp.sum(hits) / jnp.maximum(jnp.sum(c), 1.0))
+        total = total + step_decay ** j * losses[-1]
+    return total, (jnp.stack(losses), jnp.stack(accs))
+
+
+def loss_weights(mask, in_vocab):
+    """Position p's prediction (of token p+1) counts when token p+1 is the assistant's and the target's argmax
+    there is a draft-vocabulary token (a draft head cannot propose the others)."""
+    return _shift(mask, 1) * in_vocab.astype(jnp.float32)
+
+
+def estimated_acceptance_length(accuracies, k: int) -> float:
+    """1 + sum over j <= k of the chance that the first j drafts all match, from per-step accuracies measured
+    with the earlier tokens given (each an estimate of the conditional acceptance of draft j)."""
+    acc = np.asarray(accuracies, np.float64)[:k]
+    return float(1 + np.sum(np.cumprod(acc)))
+
+
+# ---- the loop -----------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class TrainResult:
+    out_dir: Path
+    losses: list[float]              # the weighted loss of each step run here (from the resumed step on)
+    accuracies: np.ndarray           # [steps run, J] per-step accuracy
+    first_step: int                  # the step this run started from (0, or a resumed checkpoint's)
+    held_out: dict                   # per-step loss/accuracy and the estimated acceptance length at k=4
+    seconds: float
+    num_examples: int
+    num_target_tokens: int
+
+
+def _batches(n: int, batch_size: int, seed: int, step: int) -> np.ndarray:
+    """The example indices of training step `step`: epochs of seeded permutations, so a resumed run sees the
+    same batches as one that never stopped."""
+    per_epoch = max(1, n // batch_size)
+    epoch, i = divmod(step, per_epoch)
+    order = np.random.default_rng([seed, epoch]).permutation(n)
+    return order[i * batch_size:(i + 1) * batch_size] if n >= batch_size else order[np.arange(batch_size) % n]
+
+
+def train(target, examples: Examples, out_dir, config: TrainConfig = TrainConfig(), held_out: Examples | None = None,
+          progress: bool = True) -> TrainResult:
+    """Trains (or resumes, from the latest orbax checkpoint under out_dir/checkpoints) an EAGLE-3 head for
+    `target` (a Model) and writes it to out_dir in the HF layout the engine loads."""
+    import optax
+    import orbax.checkpoint as ocp
+    from tqdm.auto import tqdm
+
+    out_dir = Path(out_dir).absolute()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tc = target.config
+    if tc.layer_types and any(t != "attention" for t in tc.layer_types):
+        raise ValueError("EAGLE-3 training supports attention-only targets (Llama / Qwen2 / Qwen3 families)")
+    if len(examples) == 0 or examples.num_target_tokens == 0:
+        raise ValueError("nothing to train on: the examples have no assistant tokens")
+    if examples.ids.max() >= tc.vocab_size:
+        raise ValueError(f"the examples hold token id {int(examples.ids.max())} but the target's vocabulary has "
+                         f"{tc.vocab_size}: they were rendered with another tokenizer")
+    aux_layers = eagle3_aux_layers(tc.num_layers)
+    first_step = 0
+    latest = None
+    if (out_dir / CHECKPOINTS).is_dir():
+        latest = ocp.CheckpointManager(out_dir / CHECKPOINTS).latest_step()
+    if latest is None:   # the draft vocabulary: what the target predicts most where the head is trained
+        predicted = predicted_tokens(target, examples, config.batch_size)
+        next_is_assistant = np.pad(examples.mask[:, 1:], ((0, 0), (0, 1)))
+        d2t = draft_vocabulary(predicted, next_is_assistant, tc.vocab_size, config.draft_vocab_size)
+    else:
+        d2t = np.asarray(json.loads((out_dir / CHECKPOINTS / "head.json").read_text())["d2t"], np.int32)
+    head = EagleHead("eagle3", head_config(tc), tc, draft_vocab_size=len(d2t))
+
+    warmup = min(config.warmup_steps, config.steps - 1)
+    schedule = optax.warmup_cosine_decay_schedule(0.0, config.learning_rate, warmup, max(config.steps, warmup + 1),
+                                                  end_value=0.1 * config.learning_rate)
+    optimizer = optax.chain(optax.clip_by_global_norm(config.grad_clip),
+                            optax.adamw(schedule, weight_decay=config.weight_decay))
+    params = init_head(head, target.params, d2t, config.seed)
+    opt_state = optimizer.init(params)
+
+    manager = ocp.CheckpointManager(out_dir / CHECKPOINTS, options=ocp.CheckpointManagerOptions(
+        max_to_keep=2, save_interval_steps=1))
+    if latest is not None:
+        saved = json.loads((out_dir / CHECKPOINTS / "head.json").read_text())
+        if saved["hidden_size"] != tc.hidden_size or saved["vocab_size"] != tc.vocab_size:
+            raise ValueError(f"{str(out_dir)!r} holds a checkpoint for a target of hidden_size="
+                             f"{saved['hidden_size']}, vocab_size={saved['vocab_size']}; this target has "
+                             f"{tc.hidden_size}, {tc.vocab_size}: use another --out directory")
+        restored = manager.restore(latest, args=ocp.args.StandardRestore({"params": params, "opt_state": opt_state}))
+        params, opt_state, first_step = restored["params"], restored["opt_state"], latest
+    else:
+        (out_dir / CHECKPOINTS).mkdir(parents=True, exist_ok=True)
+        (out_dir / CHECKPOINTS / "head.json").write_text(json.dumps(
+            {"hidden_size": tc.hidden_size, "vocab_size": tc.vocab_size, "d2t": d2t.tolist()}))
+
+    target_fn = make_target_fn(tc, aux_layers)
+    d2t_dev = jnp.asarray(d2t)
+    J, decay = config.ttt_steps, config.step_decay
+
+    # The target's weights are arguments (as constants they would be copied into the compiled program).
+    @jax.jit
+    def train_step(params, opt_state, target_params, ids, mask, cached=None):
+        aux, teacher, in_vocab = cached if cached is not None else target_fn(target_params, ids, d2t_dev)
+        weights = loss_weights(mask, in_vocab)
+        grad_fn = jax.value_and_grad(lambda p: ttt_forward(head, p, target_params["embed"], ids, aux, teacher,
+                                                           weights, J, decay), has_aux=True)
+        (loss, (_, accs)), grads = grad_fn(params)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss, accs
+
+    @jax.jit
+    def eval_step(params, target_params, ids, mask):
+        aux, teacher, in_vocab = target_fn(target_params, ids, d2t_dev)
+        weights = loss_weights(mask, in_vocab)
+        counted = _shift(mask, 1)
+        _, (losses, accs) = ttt_forward(head, params, target_params["embed"], ids, aux, teacher, weights, J, decay,
+                                        counted)
+        return losses, accs, jnp.sum(counted)
+
+    losses, accs = [], []
+    t0 = time.perf_counter()
+    cache = None
+    if config.cache_target_outputs:
+        parts = [target_fn(target.params, examples.ids[i:i + config.batch_size], d2t_dev)
+                 for i in range(0, len(examples), config.batch_size)]
+        cache = jax.tree_util.tree_map(lambda *xs: jnp.concatenate(xs), *parts)
+    bar = tqdm(range(first_step, config.steps), desc="training EAGLE-3", disable=not progress, unit="step",
+               initial=first_step, total=config.steps)
+    for step in bar:
+        idx = _batches(len(examples), config.batch_size, config.seed, step)
+        cached = None if cache is None else jax.tree_util.tree_map(lambda x: x[idx], cache)
+        params, opt_state, loss, acc = train_step(params, opt_state, target.params, examples.ids[idx],
+                                                  examples.mask[idx], cached)
+        losses.append(loss)
+        accs.append(acc)
+        if (step + 1) % config.save_every == 0 or step + 1 == config.steps:
+            manager.save(step + 1, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}))
+        if progress and (step % 10 == 0 or step + 1 == config.steps):
+            a = np.asarray(acc)
+            bar.set_postfix(loss=f"{float(loss):.3f}", acc="/".join(f"{x:.2f}" for x in a[:4]))
+    manager.wait_until_finished()
+    losses = [float(x) for x in jax.device_get(losses)]
+    accs = np.asarray(jax.device_get(accs)).reshape(-1, J)
+    seconds = time.perf_counter() - t0
+
+    report = {}
+    if held_out is not None and len(held_out):
+        tot_l, tot_a, tot_w = np.zeros(J), np.zeros(J), 0.0
+        for i in range(0, len(held_out), config.batch_size):
+            ids, mask = held_out.ids[i:i + config.batch_size], held_out.mask[i:i + config.batch_size]
+            pad = config.batch_size - len(ids)
+            if pad:   # one compiled shape: padded examples have no weight
+                ids, mask = np.pad(ids, ((0, pad), (0, 0))), np.pad(mask, ((0, pad), (0, 0)))
+            l, a, w = jax.device_get(eval_step(params, target.params, ids, mask))
+            tot_l, tot_a, tot_w = tot_l + l * w, tot_a + a * w, tot_w + float(w)
+        per_loss, per_acc = tot_l / max(tot_w, 1), tot_a / max(tot_w, 1)
+        report = {"loss": per_loss.tolist(), "accuracy": per_acc.tolist(), "num_examples": len(held_out),
+                  "estimated_acceptance_length_k4": estimated_acceptance_length(per_acc, 4)}
+    save_head(out_dir, head, params, d2t)
+    result = TrainResult(out_dir, losses, accs, first_step, report, seconds, len(examples), examples.num_target_tokens)
+    (out_dir / "training.json").write_text(json.dumps({
+        "steps": config.steps, "first_step": first_step, "seconds": seconds, "num_examples": len(examples),
+        "seq_len": int(examples.ids.shape[1]), "num_target_tokens": examples.num_target_tokens,
+        "config": dataclasses.asdict(config), "final_loss": losses[-1] if losses else None,
+        "held_out": report}, indent=1))
+    return result
+
+
+# ---- the HF layout ------------------------------------------------------------------------------------------
+
+def save_head(path, head: EagleHead, params: dict, d2t: np.ndarray) -> Path:
+    """config.json + model.safetensors in the published EAGLE-3 layout: fc, midlayer.* (q/k/v/o, gate/up/down,
+    input_layernorm, hidden_norm, post_attention_layernorm), norm, lm_head over the draft vocabulary, d2t (the
+    offset of each draft id's target id) and t2d (the target ids that are in the draft vocabulary)."""
+    from safetensors.numpy import save_file
+    path = Path(path)
+    c, tc = head.config, head.target_config
+    lp = {k: np.asarray(w[0], np.float32) for k, w in jax.device_get(params["layers"]["attention"]).items()}
+    Hkv, G, hd = c.num_kv_heads, c.num_heads // c.num_kv_heads, c.head_dim
+    qkv = lp["qkv_proj"].reshape(Hkv, G + 2, hd, -1)
+    m = "midlayer."
+    tensors = {
+        "fc.weight": params["fc"], "norm.weight": params["norm"], "lm_head.weight": params["lm_head"],
+        m + "hidden_norm.weight": params["hidden_norm"],
+        m + "input_layernorm.weight": lp["attn_norm"], m + "post_attention_layernorm.weight": lp["mlp_norm"],
+        m + "self_attn.q_proj.weight": qkv[:, :G].reshape(Hkv * G * hd, -1),
+        m + "self_attn.k_proj.weight": qkv[:, G].reshape(Hkv * hd, -1),
+        m + "self_attn.v_proj.weight": qkv[:, G + 1].reshape(Hkv * hd, -1),
+        m + "self_attn.o_proj.weight": lp["o_proj"],
+        m + "mlp.gate_proj.weight": lp["gate_up_proj"][:, 0], m + "mlp.up_proj.weight": lp["gate_up_proj"][:, 1],
+        m + "mlp.down_proj.weight": lp["down_proj"]}
+    tensors = {k: np.ascontiguousarray(np.asarray(v, np.float32)) for k, v in tensors.items()}
+    t2d = np.zeros(tc.vocab_size, bool)
+    t2d[d2t] = True
+    tensors["d2t"] = (np.asarray(d2t, np.int64) - np.arange(len(d2t)))
+    tensors["t2d"] = t2d
+    config = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": c.hidden_size,
+              "intermediate_size": c.intermediate_size, "num_attention_heads": c.num_heads,
+              "num_key_value_heads": c.num_kv_heads, "head_dim": hd, "num_hidden_layers": 1,
+              "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta, "vocab_size": tc.vocab_size,
+              "draft_vocab_size": len(d2t), "max_position_embeddings": 32768, "tie_word_embeddings": False,
+              "torch_dtype": "float32", "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(head.aux_layers)}}
+    if c.rope_scaling_dict:
+        config["rope_scaling"] = c.rope_scaling_dict
+    tmp = path / "model.safetensors.tmp"
+    save_file(tensors, str(tmp))
+    tmp.replace(path / "model.safetensors")
+    (path / "config.json").write_text(json.dumps(config, indent=1))
+    return path
