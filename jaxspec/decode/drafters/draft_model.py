@@ -47,6 +47,8 @@ class DraftModelDrafter:
         step_batch = ctx.batch._replace(logits_indices=jnp.zeros((1,), jnp.int32))
         _, _, _, layers, updates = model.forward(params, state["layers"], step_batch)
         committed = model.commit(layers, updates, ctx.slot, ctx.last_final)
+        if k == 0:   # a plain decoding step: the draft KV of its tokens only, for later steps that draft
+            return dict(state, layers=committed), jnp.zeros((ctx.emitted.shape[0], 0), jnp.int32)
 
         # (b) k autoregressive single-token forwards per row; rows that emitted nothing write nothing.
         first_tok = jnp.take_along_axis(ctx.emitted, ctx.num_accepted[:, None], axis=1)[:, 0]   # [R]
@@ -67,7 +69,7 @@ class DraftModelDrafter:
                          for name in fields} for kind, fields in speculative.items()}
         new_state = dict(state, layers=layers)
         if self.draft_sampling == "sample":   # [k, R, V] -> this slot's q for the next step's verification
-            new_state["draft_logprobs"] = state["draft_logprobs"].at[ctx.slot].set(jnp.swapaxes(logprobs, 0, 1))
+            new_state["draft_logprobs"] = state["draft_logprobs"].at[ctx.slot, :k].set(jnp.swapaxes(logprobs, 0, 1))
         return new_state, drafts.T                                                              # [R, k]
 
 

@@ -71,6 +71,9 @@ class EagleDrafter:
         last_feature = feature[ctx.last_final]                                                  # [R, D]
         saved = state["feature"].at[ctx.slot].set(last_feature)
 
+        if k == 0:   # a plain decoding step: the pairs and the saved feature only, for later steps that draft
+            return dict(state, layers={"attention": kv}, feature=saved), jnp.zeros((ctx.emitted.shape[0], 0), jnp.int32)
+
         # (b) k single-token head forwards per row.
         first_tok = jnp.take_along_axis(ctx.emitted, ctx.num_accepted[:, None], axis=1)[:, 0]  # [R]
 
@@ -85,7 +88,7 @@ class EagleDrafter:
             draft_one, (kv, last_feature, first_tok, last_pos), k, ops.unroll)
         new_state = dict(state, layers={"attention": kv}, feature=saved)
         if self.draft_sampling == "sample":
-            new_state["draft_logprobs"] = state["draft_logprobs"].at[ctx.slot].set(jnp.swapaxes(logprobs, 0, 1))
+            new_state["draft_logprobs"] = state["draft_logprobs"].at[ctx.slot, :k].set(jnp.swapaxes(logprobs, 0, 1))
         return new_state, drafts.T                                                             # [R, k]
 
 
