@@ -125,8 +125,9 @@ def step(target, drafter, sc: StepConfig, variant: StepVariant, params, drafter_
                            keys=position_keys(inp, num_tokens, K, fold=2) if K else None, variant=variant)
         drafter_state, drafts = drafter.propose(drafter_params, state.drafter, ctx)   # K = 0: its state only
         state = state.replace(drafter=drafter_state)
-        if K:
-            state = state.replace(drafts=state.drafts.at[tok.slot, :K].set(drafts.astype(jnp.int32)))
+        if K:   # a narrower step writes the first K of the slot's drafts
+            cols = slice(None) if K == state.drafts.shape[1] else slice(0, K)
+            state = state.replace(drafts=state.drafts.at[tok.slot, cols].set(drafts.astype(jnp.int32)))
     return state, outputs(variant, raw_logits, emitted, num_accepted)
 
 

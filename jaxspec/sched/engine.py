@@ -27,8 +27,8 @@ from jaxspec.decode.state import StepConfig
 from jaxspec.decode.step import StepVariant
 from jaxspec.nn.ops import Ops
 from jaxspec.nn.sharding import TensorParallel
-from jaxspec.sched.adaptive import KChooser
 from jaxspec.sampling_params import SamplingParams
+from jaxspec.sched.adaptive import KChooser
 from jaxspec.sched.block_manager import BlockManager
 from jaxspec.sched.output import append_tokens, take_delta
 from jaxspec.sched.request import Request, Status

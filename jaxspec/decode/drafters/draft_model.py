@@ -10,6 +10,8 @@ so the scheduler's blocks cover both. Each step:
       num_tokens-1, each next one the draft just proposed. These write KV up to num_tokens-1+k-1, which
       is why the drafter asks the scheduler for `needs_kv_lookahead`; their per-slot state is speculative
       and dropped.
+A step whose draft width is 0 (adaptive speculation chose plain decoding) runs (a) only: the draft KV stays
+complete, so a later step that drafts proposes what it would have.
 """
 from __future__ import annotations
 

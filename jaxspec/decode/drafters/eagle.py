@@ -7,6 +7,8 @@ Per step, with the target's batch (T tokens, R rows):
   (b) k single-token-per-row head forwards: the first pairs the feature at the last accepted position
       (num_tokens-2) with the emitted token, each next the head's output hidden with its own draft.
   Each slot saves the feature at its last position whose target KV is final, for (a) of its next step.
+  A step whose draft width is 0 (adaptive speculation chose plain decoding) runs (a) and saves the feature
+  only: the target's features of its tokens exist in that step alone, so (a) cannot be caught up later.
 """
 from __future__ import annotations
 
