@@ -314,6 +314,8 @@ def print_report(r: dict):
                  ("Acceptance length", f"{s['mean_acceptance_length']:.2f}"), ("Drafts", s["drafts"]),
                  ("Draft tokens", s["draft_tokens"]), ("Accepted tokens", s["accepted_tokens"]),
                  ("Per-position acceptance", " ".join(f"{x:.2f}" for x in s["per_position_acceptance"]))]
+        if s.get("adaptive"):
+            rows.append(("Chosen k (steps per k)", " ".join(str(n) for n in s["chosen_k"])))
     if "steady" in r:
         for st in r["steady"]:
             rows += [(f"Decode step, batch {st['batch']} (ms)", f"{st['wall_step_ms']:.3f} wall, "
@@ -353,6 +355,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--spec-method", choices=["draft_model", "eagle", "eagle3", "ngram"])
     p.add_argument("--draft-model")
     p.add_argument("--num-spec-tokens", type=int, default=4)
+    p.add_argument("--adaptive-spec", action="store_true",
+                   help="choose the speculation length per step in 0..--num-spec-tokens (SpeculativeConfig.adaptive)")
     p.add_argument("--dataset", default="random", choices=DATASETS)
     p.add_argument("--prefix-len", type=int, default=1024, help="prefix: tokens of the shared system prompt")
     p.add_argument("--max-turns", type=int, default=4, help="sharegpt-multiturn: user turns per conversation")
@@ -425,7 +429,8 @@ def run(argv=None) -> list[dict]:
     model = _load(args)
     spec = None
     if args.spec_method:
-        spec = {"method": args.spec_method, "num_speculative_tokens": args.num_spec_tokens}
+        spec = {"method": args.spec_method, "num_speculative_tokens": args.num_spec_tokens,
+                "adaptive": args.adaptive_spec}
         if args.spec_method != "ngram":
             if not args.draft_model:
                 raise SystemExit(f"--spec-method {args.spec_method} needs --draft-model")

@@ -15,6 +15,9 @@ class SpeculativeConfig:
     draft_sampling: str = "argmax"      # "argmax": drafts are the drafter's argmax (q is a point mass)
     prompt_lookup_min: int = 2          # ngram: shortest suffix matched against the history
     prompt_lookup_max: int = 4          # ngram: longest suffix tried first
+    # The host picks k in 0..num_speculative_tokens for each step from the running per-position acceptance
+    # and the measured step time of each compiled k (jaxspec.sched.adaptive); False: every step drafts k.
+    adaptive: bool = False
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -22,6 +25,8 @@ class SpeculativeConfig:
         k = self.num_speculative_tokens
         if not isinstance(k, int) or not 1 <= k <= MAX_SPEC_TOKENS:
             raise ValueError(f"num_speculative_tokens={k!r} is invalid; it must be an int in [1, {MAX_SPEC_TOKENS}]")
+        if not isinstance(self.adaptive, bool):
+            raise ValueError(f"adaptive={self.adaptive!r} is invalid; it must be True or False")
         if self.draft_sampling not in ("argmax", "sample"):
             raise ValueError(f"draft_sampling={self.draft_sampling!r} is invalid; choose 'argmax' or 'sample'")
         if self.method == "ngram":

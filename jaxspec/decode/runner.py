@@ -66,6 +66,7 @@ class ModelRunner:
         self._steps: dict[tuple[int, StepVariant], object] = {}
         self.last_inputs: dict[int, tuple[StepVariant, jax.Array]] = {}
         self.issue_seconds: collections.deque[float] = collections.deque(maxlen=4096)
+        self.last_run_compiled = False   # the last `run` compiled its step (its time is no measure of the step)
 
     # ---- shapes ------------------------------------------------------------------------------------
     def bucket_for(self, num_tokens: int) -> int:
@@ -93,6 +94,7 @@ class ModelRunner:
         """Copies the inputs over, issues the step, starts copying its outputs back (device arrays)."""
         t0 = time.perf_counter()
         T = inputs.token_matrix.shape[1]
+        self.last_run_compiled = (T, variant) not in self._steps
         # One transfer of a buffer built for this step alone and never touched again: on the CPU backend
         # the transfer may read host memory after this call returns (even with may_alias=False), so a
         # reused staging buffer would need double-buffering.

@@ -12,6 +12,12 @@ before it knows the previous step's accepted tokens. The step never branches on 
 data-dependent branch makes the host wait mid-launch): what rows need beyond greedy decoding (random draws,
 top-k/top-p, penalties, logprobs) the host knows from their SamplingParams; it is a `StepVariant`, and each
 variant in use is its own compiled step. Shapes: R rows, T tokens, K drafts, V vocabulary, H history length.
+
+K is the step's draft width: it verifies up to K drafts per row and the drafter proposes K for the next step.
+It is `StepConfig.num_speculative_tokens` unless the variant names a smaller one (`StepVariant.drafts`, chosen
+per step on the host under adaptive speculation): fewer draft forwards and fewer logits per row. K = 0 is a
+plain decoding step; a drafter with state of its own still runs its pass over the step's tokens (its KV, a
+saved feature), so that a later step drafting again proposes exactly what it would have.
 """
 from __future__ import annotations
 
@@ -37,6 +43,7 @@ class StepVariant:
     top_k_top_p: bool = False   # some random row truncates by top-k or top-p (a vocabulary sort)
     penalties: bool = False     # some row has presence / frequency / repetition penalties
     logprobs: bool = False      # some row asks for logprobs
+    drafts: int | None = None   # draft width (verified and proposed per row); None: StepConfig's K
 
     @staticmethod
     def of(p) -> "StepVariant":
@@ -50,8 +57,12 @@ class StepVariant:
     @staticmethod
     def union(variants) -> "StepVariant":
         """The variant covering all of these (a step's, from the rows that sample in it)."""
-        flags = [dataclasses.astuple(v) for v in variants]
-        return StepVariant(*(any(f) for f in zip(*flags))) if flags else StepVariant()
+        names = ("sample", "top_k_top_p", "penalties", "logprobs")
+        variants = list(variants)
+        return StepVariant(**{n: any(getattr(v, n) for v in variants) for n in names})
+
+    def draft_width(self, sc: StepConfig) -> int:
+        return sc.num_speculative_tokens if self.drafts is None else self.drafts
 
 
 class Tokens(NamedTuple):
@@ -92,8 +103,8 @@ class DraftContext:
 
 def step(target, drafter, sc: StepConfig, variant: StepVariant, params, drafter_params, state: DecodeState,
          inp: DeviceInputs):
-    K, V = sc.num_speculative_tokens, target.config.vocab_size
-    tok = tokens_from_state(sc, state, inp, V)
+    K, V = variant.draft_width(sc), target.config.vocab_size
+    tok = tokens_from_state(sc, K, state, inp, V)
     aux_layers = drafter.aux_layers if drafter is not None else ()
     logits, hidden, aux, layers, slot_updates = target.forward(params, state.layers, tok.batch, aux_layers)
     raw_logits = logits.reshape(-1, K + 1, V)                                               # [R, K+1, V]
@@ -101,26 +112,29 @@ def step(target, drafter, sc: StepConfig, variant: StepVariant, params, drafter_
     logprobs = target_distributions(variant, raw_logits, tok, inp, st)                      # [R, K+1, V]
     keys = position_keys(inp, tok.base, K + 1)                                              # [R, K+1]
     emitted, num_accepted = sample_or_verify(variant, logprobs, st, tok.draft_ids, inp.rows["num_drafts"],
-                                             draft_logprobs(state, tok.slot, drafter), keys)
+                                             draft_logprobs(state, tok.slot, drafter, K), keys)
     state, emitted, num_accepted, num_tokens, last_final = commit(
-        target, sc, state, tok, inp, emitted, num_accepted, layers, slot_updates)
-    if K:
+        target, sc, K, state, tok, inp, emitted, num_accepted, layers, slot_updates)
+    if drafter is not None:
         ctx = DraftContext(ops=target.ops, num_speculative_tokens=K, cache=sc.cache_shape, target_params=params,
                            batch=tok.batch, token_valid=tok.valid, hidden=hidden, aux_hidden=aux,
                            history=state.history, slot=tok.slot, num_tokens=num_tokens, last_final=last_final,
                            emitted=emitted, num_accepted=num_accepted, sample_rows=inp.rows["sample"] > 0,
                            new_slot=inp.rows["new_slot"] > 0,
                            first_token=inp.rows["first_token"], sampling=st,
-                           keys=position_keys(inp, num_tokens, K, fold=2), variant=variant)
-        drafter_state, drafts = drafter.propose(drafter_params, state.drafter, ctx)
-        state = state.replace(drafter=drafter_state, drafts=state.drafts.at[tok.slot].set(drafts.astype(jnp.int32)))
+                           keys=position_keys(inp, num_tokens, K, fold=2) if K else None, variant=variant)
+        drafter_state, drafts = drafter.propose(drafter_params, state.drafter, ctx)   # K = 0: its state only
+        state = state.replace(drafter=drafter_state)
+        if K:   # a narrower step writes the first K of the slot's drafts
+            cols = slice(None) if K == state.drafts.shape[1] else slice(0, K)
+            state = state.replace(drafts=state.drafts.at[tok.slot, cols].set(drafts.astype(jnp.int32)))
     return state, outputs(variant, raw_logits, emitted, num_accepted)
 
 
 # ---- the phases --------------------------------------------------------------------------------------------
 
-def tokens_from_state(sc: StepConfig, state: DecodeState, inp: DeviceInputs, vocab_size: int) -> Tokens:
-    K, H, S = sc.num_speculative_tokens, sc.history_len, sc.cache_shape.num_kv_slots
+def tokens_from_state(sc: StepConfig, K: int, state: DecodeState, inp: DeviceInputs, vocab_size: int) -> Tokens:
+    H, S = sc.history_len, sc.cache_shape.num_kv_slots
     rows, t = inp.rows, inp.tokens
     slot, num_new, num_drafts = rows["slot"], rows["num_new"], rows["num_drafts"]            # [R]
     T = t["token_id"].shape[0]
@@ -222,20 +236,20 @@ def sample_or_verify(variant: StepVariant, logprobs, st, draft_ids, num_drafts, 
                             all_greedy=not variant.sample)
 
 
-def draft_logprobs(state: DecodeState, slot, drafter):
+def draft_logprobs(state: DecodeState, slot, drafter, K: int):
     """The distributions a sampling drafter drew this step's drafts from [R, K, V] (None for argmax drafts:
     q is a point mass)."""
     if drafter is None or drafter.draft_sampling != "sample":
         return None
-    return state.drafter["draft_logprobs"][slot]
+    return state.drafter["draft_logprobs"][slot][:, :K]
 
 
-def commit(target, sc: StepConfig, state: DecodeState, tok: Tokens, inp: DeviceInputs, emitted, num_accepted,
-           layers, slot_updates):
+def commit(target, sc: StepConfig, K: int, state: DecodeState, tok: Tokens, inp: DeviceInputs, emitted,
+           num_accepted, layers, slot_updates):
     """The device's authoritative counts: accepted drafts extend the KV, emitted tokens extend the history,
     per-slot layer state keeps its value after the row's last token whose KV is final.
     -> (state, emitted, num_accepted, num_tokens [R], last_final [R] index in T)."""
-    K, H = sc.num_speculative_tokens, sc.history_len
+    H = sc.history_len
     rows = inp.rows
     sample_rows = rows["sample"] > 0
     emitted = jnp.where(sample_rows[:, None], emitted, -1)                                   # [R, K+1]

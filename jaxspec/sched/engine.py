@@ -29,6 +29,7 @@ from jaxspec.decode.step import StepVariant
 from jaxspec.nn.ops import Ops
 from jaxspec.nn.sharding import TensorParallel
 from jaxspec.sampling_params import SamplingParams
+from jaxspec.sched.adaptive import KChooser
 from jaxspec.sched.block_manager import BlockManager
 from jaxspec.sched.output import append_tokens, take_delta
 from jaxspec.sched.request import Request, Status
@@ -78,6 +79,12 @@ class _InFlight:
     rows: list[ScheduledRow]
     out: dict
     want_logprobs: bool
+    index: int = 0                 # the step's number (counters["steps"] before it)
+    draft_width: int = 0           # drafts it verifies (at most) and proposes per row
+    num_tokens: int = 0            # its token bucket
+    dispatched: float = 0.0        # host clock when its dispatch began (the inputs' transfer)
+    compiled: bool = False         # its dispatch compiled the step (its time is no measure)
+    proposed: int = 0              # drafts it proposes for its sampling rows (the k chosen for them)
 
 
 class Engine:
@@ -125,7 +132,12 @@ class Engine:
         self.counters = {"steps": 0, "scheduled_rows": 0, "padded_tokens": 0, "scheduled_tokens": 0}
         k = self.step_config.num_speculative_tokens
         self.spec_counters = {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0,
-                              "accepted_per_position": np.zeros(max(k, 1), np.int64)}
+                              "accepted_per_position": np.zeros(max(k, 1), np.int64),
+                              "chosen_k": np.zeros(k + 1, np.int64)}
+        # Adaptive speculation: the host picks each step's k (jaxspec.sched.adaptive); None: always k.
+        self.k_chooser = (KChooser(k, config.max_num_batched_tokens, self.runner.bucket_for)
+                          if spec is not None and spec.adaptive else None)
+        self._last_ready: float | None = None   # when the last step read was found ready (host clock)
         # The loop on its own thread (start/stop): every engine change is made under this lock, which the loop
         # holds for a whole step (the device wait included). Other threads never wait for it: their new
         # requests and aborts go into `_intake`, which the loop applies at the start of its next step.
@@ -345,6 +357,10 @@ class Engine:
             if row.cached_ids:
                 self.runner.write_history(req.slot, row.cached_ids)
         variant = StepVariant.union([row.request.step_variant for row in rows if row.sample])
+        index = self.counters["steps"]
+        width, proposed = self._draft_width(rows, index)
+        if width != self.step_config.num_speculative_tokens:
+            variant = dataclasses.replace(variant, drafts=width)
         t1 = time.perf_counter()
         out = self.runner.run(inp, variant)
         if timings is not None:
@@ -354,13 +370,35 @@ class Engine:
         self.counters["scheduled_rows"] += n
         self.counters["scheduled_tokens"] += num_tokens
         self.counters["padded_tokens"] += T
-        return _InFlight(rows, out, variant.logprobs)
+        return _InFlight(rows, out, variant.logprobs, index, width, T, t1, self.runner.last_run_compiled, proposed)
+
+    def _draft_width(self, rows: list[ScheduledRow], index: int) -> tuple[int, int]:
+        """-> (the step's draft width, the k it proposes for its sampling rows). k is K, or the chooser's pick
+        under adaptive speculation; each row's next decode step verifies that many. The width is at least k
+        and every row's drafts to verify (a step that lowers k still verifies the drafts proposed before it)."""
+        K = self.step_config.num_speculative_tokens
+        sampling = [row for row in rows if row.sample]
+        if not K:
+            return 0, 0
+        k = K
+        if sampling and self.k_chooser is not None:
+            k = self.k_chooser.choose(index, len(sampling))
+        for row in sampling:
+            row.request.num_proposed = k
+        if self.k_chooser is None:
+            return K, k
+        return max([k if sampling else 0] + [row.num_drafts for row in rows]), k
 
     def _process(self, rec: _InFlight, timings: dict | None = None) -> list[Request]:
         t0 = time.perf_counter()
         out = rec.out
         tokens = np.asarray(out["tokens"])             # [R, K+2]: emitted tokens, then the accepted count
         t1 = time.perf_counter()
+        if self.k_chooser is not None:
+            self._observe(rec, tokens[:, -1], t1)
+        if self.step_config.num_speculative_tokens and any(row.sample and not row.request.finished
+                                                           for row in rec.rows):
+            self.spec_counters["chosen_k"][rec.proposed] += 1   # counted as read: async counts as sync does
         accepted = tokens[:, -1]
         lp = {k: np.asarray(out[k]) for k in ("logprob", "top_ids", "top_logprobs")} if rec.want_logprobs else None
         updated = []
@@ -399,6 +437,18 @@ class Engine:
             timings["wait"] = timings.get("wait", 0.0) + t1 - t0
             timings["process"] = timings.get("process", 0.0) + time.perf_counter() - t1
         return updated
+
+    def _observe(self, rec: _InFlight, accepted, ready: float):
+        """The chooser learns what the step's rows accepted, and the step's time: from when the device could
+        start it (its dispatch began and the step before it was done) to when it was found ready."""
+        start = rec.dispatched if self._last_ready is None else max(rec.dispatched, self._last_ready)
+        self._last_ready = ready
+        # No measure when it compiled, or when the host compiled the step dispatched after it before reading
+        # it (async): the host then found it ready late.
+        seconds = None if rec.compiled or self.runner.last_run_compiled else ready - start
+        rows = [(row.num_drafts, int(accepted[r])) for r, row in enumerate(rec.rows)
+                if row.num_drafts and not row.request.finished]
+        self.k_chooser.observe(rec.index, rows, (rec.draft_width, rec.num_tokens, seconds))
 
     def _cache_final_blocks(self, req: Request, num_computed: int):
         """Registers the request's blocks whose KV is final, now that a step computing its first
@@ -488,7 +538,11 @@ class Engine:
     # ---- compilation and stats ---------------------------------------------------------------------
     def warmup(self):
         """Compile the step for every token bucket and warm variant."""
-        self.runner.warmup(WARM_VARIANTS)
+        variants = list(WARM_VARIANTS)
+        if self.k_chooser is not None:   # every draft width the chooser may pick
+            variants += [dataclasses.replace(v, drafts=k) for k in range(self.step_config.num_speculative_tokens)
+                         for v in WARM_VARIANTS]
+        self.runner.warmup(variants)
         self._compiled_at_warmup = self.runner.num_compiled()
 
     def stats(self) -> dict:
@@ -521,5 +575,7 @@ class Engine:
                 "acceptance_rate": acc / dt if dt else 0.0,
                 "mean_acceptance_length": 1 + acc / drafts if drafts else 1.0,
                 "per_position_acceptance": (s["accepted_per_position"] / drafts).tolist() if drafts else [0.0] * k,
+                "adaptive": self.k_chooser is not None,
+                "chosen_k": s["chosen_k"].tolist(),   # steps that proposed k drafts, k = 0..K
             }
         return out

@@ -46,6 +46,7 @@ class Request:
     num_computed: int = 0
     in_flight: int = 0               # dispatched steps holding a row of this request, not yet read
     in_flight_samples: int = 0       # of those, rows that emit at least one token
+    num_proposed: int = 0            # drafts its last sampling step proposed: what its next decode step verifies
 
     # output processing
     text: str = ""

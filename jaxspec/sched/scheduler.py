@@ -114,7 +114,7 @@ class Scheduler:
         room = self.max_model_len - 2 - req.num_computed
         if room < 0:
             return None
-        num_drafts = min(self.step_config.num_speculative_tokens, room)
+        num_drafts = min(req.num_proposed, room)   # what its last sampling step proposed (k, or a chosen one)
         if 1 + num_drafts > budget:
             return None
         return ScheduledRow(req, 1 + num_drafts, num_drafts, -1, [], sample=True)

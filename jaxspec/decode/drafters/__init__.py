@@ -1,5 +1,7 @@
-"""Drafters: each proposes the next k drafts per row inside the jitted step (k is
-`StepConfig.num_speculative_tokens`, read from the DraftContext)."""
+"""Drafters: each proposes the next k drafts per row inside the jitted step (k is the step's draft width,
+`StepConfig.num_speculative_tokens` or a smaller one the host chose for this step, read from the DraftContext).
+With k = 0 a drafter proposes nothing but keeps its own state current (its KV of the step's tokens, a saved
+feature): a later step with k > 0 must propose exactly what it would have without the k = 0 steps."""
 from __future__ import annotations
 
 from typing import Protocol
@@ -22,4 +24,4 @@ class Drafter(Protocol):
         """Its device state, declared (a sampling drafter includes "draft_logprobs" [slots+1, k, V])."""
 
     def propose(self, params, state, ctx) -> tuple:
-        """(params, its state, DraftContext) -> (state, drafts i32[R, k])."""
+        """(params, its state, DraftContext) -> (state, drafts i32[R, k]); k may be 0 (see above)."""

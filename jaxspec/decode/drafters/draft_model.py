@@ -14,6 +14,8 @@ so the scheduler's blocks cover both. Each step, after verification:
       per-slot state is speculative and dropped.
 Unfolded, (a) ran over the step's tokens before verification and (b) took k forwards, the first feeding the
 emitted token alone: the same proposals from k+1 forwards.
+A step whose draft width is 0 (adaptive speculation chose plain decoding) runs (a) without proposing: the
+draft KV stays complete, so a later step that drafts proposes what it would have.
 """
 from __future__ import annotations
 
@@ -52,6 +54,8 @@ class DraftModelDrafter:
         batch, last_final, emitted_at = folded_batch(ctx, S)
         logits, _, _, layers, updates = model.forward(params, state["layers"], batch)          # [R, V]
         committed = model.commit(layers, updates, ctx.slot, last_final)
+        if k == 0:   # a plain decoding step: the draft KV of its tokens only, for later steps that draft
+            return dict(state, layers=committed), jnp.zeros((ctx.emitted.shape[0], 0), jnp.int32)
         first, first_logprobs = pick_drafts(logits, ctx, 0, self.draft_sampling)
         if k == 1:
             layers = committed
@@ -79,7 +83,7 @@ class DraftModelDrafter:
             logprobs = None if first_logprobs is None else jnp.concatenate([first_logprobs[None], rest_logprobs])
         new_state = dict(state, layers=layers)
         if self.draft_sampling == "sample":   # [k, R, V] -> this slot's q for the next step's verification
-            new_state["draft_logprobs"] = state["draft_logprobs"].at[ctx.slot].set(jnp.swapaxes(logprobs, 0, 1))
+            new_state["draft_logprobs"] = state["draft_logprobs"].at[ctx.slot, :k].set(jnp.swapaxes(logprobs, 0, 1))
         return new_state, drafts.T                                                              # [R, k]
 
 

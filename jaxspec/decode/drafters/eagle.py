@@ -7,6 +7,8 @@ Per step, with the target's batch (T tokens, R rows):
   (b) k single-token-per-row head forwards: the first pairs the feature at the last accepted position
       (num_tokens-2) with the emitted token, each next the head's output hidden with its own draft.
   Each slot saves the feature at its last position whose target KV is final, for (a) of its next step.
+  A step whose draft width is 0 (adaptive speculation chose plain decoding) runs (a) and saves the feature
+  only: the target's features of its tokens exist in that step alone, so (a) cannot be caught up later.
 """
 from __future__ import annotations
 
@@ -71,6 +73,9 @@ class EagleDrafter:
         last_feature = feature[ctx.last_final]                                                  # [R, D]
         saved = state["feature"].at[ctx.slot].set(last_feature)
 
+        if k == 0:   # a plain decoding step: the pairs and the saved feature only, for later steps that draft
+            return dict(state, layers={"attention": kv}, feature=saved), jnp.zeros((ctx.emitted.shape[0], 0), jnp.int32)
+
         # (b) k single-token head forwards per row.
         first_tok = jnp.take_along_axis(ctx.emitted, ctx.num_accepted[:, None], axis=1)[:, 0]  # [R]
 
@@ -85,7 +90,7 @@ class EagleDrafter:
             draft_one, (kv, last_feature, first_tok, last_pos), k, ops.unroll)
         new_state = dict(state, layers={"attention": kv}, feature=saved)
         if self.draft_sampling == "sample":
-            new_state["draft_logprobs"] = state["draft_logprobs"].at[ctx.slot].set(jnp.swapaxes(logprobs, 0, 1))
+            new_state["draft_logprobs"] = state["draft_logprobs"].at[ctx.slot, :k].set(jnp.swapaxes(logprobs, 0, 1))
         return new_state, drafts.T                                                             # [R, k]
 
 

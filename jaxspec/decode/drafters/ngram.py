@@ -31,6 +31,8 @@ class NgramDrafter:
         num_tokens = ctx.num_tokens                                    # [R]
         R, H = hist.shape
         k = ctx.num_speculative_tokens
+        if k == 0:   # a plain decoding step: nothing to look up, no state to keep
+            return state, jnp.zeros((R, 0), jnp.int32)
         start = jnp.arange(H)[None, :]                                 # candidate match starts i
         drafts = jnp.full((R, k), -1, jnp.int32)
         found = jnp.zeros((R,), bool)

@@ -1,0 +1,133 @@
+"""Speculation length chosen per step (`SpeculativeConfig(adaptive=True)`): the host picks k in 0..K for the
+next step, the one that maximises expected tokens per second.
+
+    expected tokens per row  E(k) = 1 + sum_{j=1..k} prod_{i<=j} a_i     (a_i: acceptance at draft position i,
+                                                                          given positions 1..i-1 were accepted)
+    rate(k) = rows(k) * E(k) / t(k, T_k)
+
+rows(k) is how many of the B decoding rows fit the token budget at 1+k tokens each, T_k the token bucket of
+their step and t(k, T) the measured device time of the step compiled for draft width k at bucket T (an
+exponential moving average; a pair not yet measured is tried for a few steps, smallest k first). Low acceptance makes
+every E(k) near 1, so the cheapest step (k = 0, plain decoding) wins; a large batch makes the step time grow
+with its tokens (and the budget fit fewer rows at 1+k), so k falls back toward 0 there too.
+
+a_i is a running estimate: accepted and tried counts per position, decayed each step, with a prior
+(`PRIOR_ACCEPTANCE` at position 1, position i-1's estimate at position i) weighted as `PRIOR_WEIGHT`
+observations. While k = 0 nothing is observed and the counts decay back to the prior, so a drafter that
+starts to match again (a repetitive stretch for n-gram lookup) is tried again.
+
+Observations of step N are folded in before choosing at step N+2, never earlier: async scheduling reads step
+N only after dispatching N+1, and sync scheduling is made to wait as long, so that both modes choose the same
+k from the same requests (the measured times differ from run to run; `time_model` replaces them).
+"""
+from __future__ import annotations
+
+import collections
+from typing import Callable
+
+import numpy as np
+
+PRIOR_ACCEPTANCE = 0.6    # acceptance at position 1 before anything is observed
+PRIOR_WEIGHT = 1.0        # the prior counts as this many observations
+# Per step: observations ~100 steps old weigh e^-1 as much as new ones. After k fell to 0 for a drafter that
+# never matches, the prior takes over again (and k > 0 is tried for a few steps) only after a hundred steps
+# or more: rarely enough to cost little, often enough to notice a drafter that matches again.
+DECAY = 0.99
+TIME_EMA = 0.25           # weight of a new step-time measurement
+OUTLIER = 3.0             # a measurement counts as at most this many times the average
+EXPLORE_STEPS = 3         # steps an unmeasured (k, bucket) is kept to measure it (exploring)
+EXPLORE_ATTEMPTS = 2      # explorations of a pair that stays unmeasured (its steps compiled) before giving up
+MARGIN = 0.03             # another k must promise this much more throughput to replace the current one
+
+
+class KChooser:
+    def __init__(self, num_speculative_tokens: int, max_num_batched_tokens: int, bucket_for: Callable[[int], int]):
+        self.K = num_speculative_tokens
+        self.budget = max_num_batched_tokens
+        self.bucket_for = bucket_for
+        self.accepted = np.zeros(self.K)   # decayed counts per draft position
+        self.tried = np.zeros(self.K)
+        self.times: dict[tuple[int, int], float] = {}   # (draft width, token bucket) -> seconds (EMA)
+        # (k, T) -> seconds: replaces the measured times (deterministic choices for tests; a cost model)
+        self.time_model: Callable[[int, int], float] | None = None
+        self.current = self.K
+        self._pending: collections.deque = collections.deque()   # (step, kind, payload), in step order
+        self._explore: tuple[int, int, int] | None = None   # (k, T, last step) of the pair being measured
+        self._attempts: collections.Counter = collections.Counter()   # explorations per (k, T)
+
+    # ---- observations --------------------------------------------------------------------------------
+    def observe(self, step: int, drafted_accepted: list[tuple[int, int]], time: tuple[int, int, float | None]):
+        """Step `step` was read: (drafts verified, accepted) of each of its rows that verified drafts, and
+        (its draft width, its token bucket, its measured device seconds or None when it is no measure: the
+        step compiled)."""
+        self._pending.append((step, drafted_accepted, time))
+
+    def _fold(self, upto: int):
+        while self._pending and self._pending[0][0] <= upto:
+            _, rows, time = self._pending.popleft()
+            self.accepted *= DECAY
+            self.tried *= DECAY
+            for drafted, accepted in rows:
+                self.accepted[:accepted] += 1
+                self.tried[:min(accepted + 1, drafted)] += 1
+            k, T, seconds = time
+            if seconds is not None:
+                old = self.times.get((k, T))
+                if old is not None:   # one slow outlier (a host pause) moves the average a bounded step
+                    seconds = (1 - TIME_EMA) * old + TIME_EMA * min(seconds, OUTLIER * old)
+                self.times[(k, T)] = seconds
+
+    # ---- estimates -----------------------------------------------------------------------------------
+    def acceptance(self) -> np.ndarray:
+        """a_i, i = 1..K: the running conditional acceptance per draft position."""
+        a, prior = np.zeros(self.K), PRIOR_ACCEPTANCE
+        for i in range(self.K):
+            a[i] = prior = (self.accepted[i] + PRIOR_WEIGHT * prior) / (self.tried[i] + PRIOR_WEIGHT)
+        return a
+
+    def expected_tokens(self, k: int, acceptance: np.ndarray | None = None) -> float:
+        a = self.acceptance() if acceptance is None else acceptance
+        return 1.0 + float(np.sum(np.cumprod(a[:k])))
+
+    def step_time(self, k: int, T: int) -> float | None:
+        if self.time_model is not None:
+            return self.time_model(k, T)
+        return self.times.get((k, T))
+
+    # ---- the choice ----------------------------------------------------------------------------------
+    def choose(self, step: int, num_rows: int) -> int:
+        """k for the drafts step `step` proposes (the next step of its `num_rows` decoding rows verifies them)."""
+        self._fold(step - 2)
+        if self._explore is not None:
+            k, T, last = self._explore
+            if self.step_time(k, T) is None and step <= last:
+                return k
+            self._explore = None
+        a = self.acceptance()
+        rates, unmeasured = {}, []
+        for k in range(self.K + 1):
+            rows = min(num_rows, self.budget // (1 + k))
+            if rows == 0:
+                continue
+            T = self.bucket_for(rows * (1 + k))
+            t = self.step_time(k, T)
+            if t is None:
+                if self._attempts[(k, T)] < EXPLORE_ATTEMPTS:
+                    unmeasured.append((k, T))
+                continue
+            rates[k] = rows * self.expected_tokens(k, a) / max(t, 1e-9)
+        if unmeasured:
+            # Measure it: the step proposing k may be wider (it verifies the drafts proposed before it); the
+            # next one, proposing k again, is a step of width k, and its time is folded in two steps later.
+            k, T = unmeasured[0]
+            self._attempts[(k, T)] += 1
+            self._explore = (k, T, step + EXPLORE_STEPS)
+            self.current = k
+            return k
+        if not rates:
+            return self.current
+        best = max(rates, key=rates.get)
+        if self.current in rates and rates[best] <= rates[self.current] * (1 + MARGIN):
+            return self.current
+        self.current = best
+        return best

@@ -1,0 +1,224 @@
+"""Speculation length chosen per step (`SpeculativeConfig(adaptive=True)`, jaxspec/sched/adaptive.py).
+
+The chooser alone (host arithmetic), then engines on the tiny float32 models of tests/test_spec.py (the same
+shapes, so their steps hit the persistent compilation cache): the chosen k follows acceptance, and every
+sequence of choices is exact (greedy and seeded tokens equal fixed k and plain decoding; async equals sync in
+tokens, counts and choices; the drafters' own state survives k = 0 steps).
+"""
+import numpy as np
+import pytest
+
+from conftest import random_model
+from jaxspec import LLM, SamplingParams
+from jaxspec.sched import adaptive
+from jaxspec.sched.adaptive import KChooser
+from test_spec import ENGINE, VOCAB, drafters, prompt_of, references, target  # noqa: F401 (fixtures)
+
+K = 3
+
+
+def buckets(n: int) -> int:
+    return max(8, 1 << (n - 1).bit_length())
+
+
+def gpu_like(k: int, T: int) -> float:
+    """A step-time model: a fixed cost, a cost per token, a cost per draft forward."""
+    return 1.0 + 0.05 * T + 0.1 * k
+
+
+def feed(chooser, first_step: int, steps: int, rows):
+    """Steps whose rows verified 4 drafts each and accepted `rows` [(count of rows, accepted), ...]."""
+    for s in range(first_step, first_step + steps):
+        chooser.observe(s, [(4, a) for n, a in rows for _ in range(n)], (4, 8, None))
+
+
+# ---- the chooser -------------------------------------------------------------------------------------------
+
+def test_chooser_follows_acceptance_and_falls_back_at_large_batch():
+    c = KChooser(4, 512, buckets)
+    c.time_model = gpu_like
+    # conditional acceptance 0.7 at every position: 30% of rows accept 0, 21% 1, 15% 2, 10% 3, 24% all 4
+    feed(c, 0, 20, [(30, 0), (21, 1), (15, 2), (10, 3), (24, 4)])
+    assert c.choose(21, 1) == 4
+    assert np.allclose(c.acceptance(), 0.7, atol=0.02)
+    # the same acceptance at larger batches: the step time grows with its tokens, and k falls back to 0
+    assert [c.choose(22 + i, b) for i, b in enumerate([1, 16, 64, 256])] == [4, 1, 0, 0]
+    feed(c, 20, 40, [(100, 4)])        # every draft accepted: speculation pays at a larger batch again
+    assert c.choose(61, 16) == 3
+    feed(c, 60, 300, [(100, 0)])       # nothing accepted any more
+    assert c.choose(361, 1) == 0
+    assert c.acceptance()[0] < 0.05 and c.expected_tokens(4) < 1.1
+
+
+def test_chooser_sees_a_step_two_steps_later_and_measures_times():
+    """What step s observed is used from step s+2 on (async reads s after dispatching s+1; sync waits as
+    long, so both choose alike). Without a time model, each (k, bucket) is explored smallest k first and kept
+    until measured; then the measured times decide."""
+    c = KChooser(2, 64, buckets)
+    assert [c.choose(s, 1) for s in range(4)] == [0, 0, 0, 0]   # exploring k=0 (bucket 8)
+    for s in range(3):
+        c.observe(s, [], (0, 8, 1.0))
+    assert c.choose(4, 1) == 1                                    # k=0 measured: explore k=1
+    for s in range(3, 9):
+        c.observe(s, [(2, 2)] * 4, (1, 8, 1.2) if s < 6 else (2, 8, 1.3))
+    for s in range(5, 11):
+        c.choose(s, 1)
+    assert c.times == {(0, 8): 1.0, (1, 8): 1.2, (2, 8): 1.3}
+    assert c.choose(10, 1) == 2                                   # all accepted: 3 tokens in 1.3
+    before = c.acceptance().copy()
+    c.observe(9, [(2, 0)] * 400, (2, 8, 1.1))                    # step 9: nothing accepted, many rows
+    c.choose(10, 1)
+    assert (c.acceptance() == before).all()                       # not yet at step 10 ...
+    c.choose(11, 1)
+    assert c.acceptance()[0] < 0.2 * before[0]                    # ... at step 11
+    assert c.choose(12, 1) == 0
+    c.observe(10, [], (0, 8, 100.0))                              # an outlier moves the average a bounded step
+    c.choose(13, 1)
+    assert c.times[(0, 8)] == pytest.approx(0.75 + 0.25 * adaptive.OUTLIER)
+
+
+def test_adaptive_is_validated():
+    from jaxspec.spec import SpeculativeConfig
+    with pytest.raises(ValueError, match="adaptive"):
+        SpeculativeConfig("ngram", adaptive="yes")
+    assert SpeculativeConfig.coerce({"method": "ngram", "adaptive": True}).adaptive
+
+
+# ---- engines -----------------------------------------------------------------------------------------------
+
+def never_matching(target):  # noqa: F811
+    """The target with a zero lm_head: every logit 0, so it always drafts token 0."""
+    from jaxspec.models.model import Model
+    from jaxspec.models.weights import params_from_hf_tensors
+    t = dict(target.hf_tensors, **{"lm_head.weight": np.zeros_like(target.hf_tensors["lm_head.weight"])})
+    return Model(target.config, params_from_hf_tensors(target.config, t.__getitem__, "float32"), tokenizer=None,
+                 name="never-matching")
+
+
+def spec_llm(target, method, model=None, *, adaptive_k=True, k=K, async_scheduling=True, time_model=None,  # noqa: F811
+             schedule=None, **engine):
+    spec = dict(method=method, num_speculative_tokens=k, adaptive=adaptive_k)
+    if model is not None:
+        spec["model"] = model
+    llm = LLM(target, **{**ENGINE, "num_kv_blocks": 40, "warmup": False, **engine},
+              async_scheduling=async_scheduling, speculative_config=spec)
+    chooser = llm.engine.k_chooser
+    if time_model is not None:
+        chooser.time_model = time_model
+    if schedule is not None:   # a forced sequence of choices, by step number
+        chooser.choose = lambda step, rows: schedule[step % len(schedule)]
+    return llm
+
+
+def results(llm, prompts, params):
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return [(o.token_ids, o.metrics["num_draft_tokens"], o.metrics["num_accepted_tokens"]) for o in outs]
+
+
+@pytest.mark.parametrize("drafter", ["never_matching", "target", "perturbed"])
+def test_chosen_k_follows_acceptance(target, drafters, drafter):  # noqa: F811
+    """A drafter that never matches drives k to 0, the target drafting for itself drives it to K, a drafter in
+    between to a k in between; the tokens are those of fixed k and of plain decoding; async and sync make the
+    same choices and counts."""
+    model = {"never_matching": never_matching(target), "target": target,
+             "perturbed": drafters["draft_model"]}[drafter]
+    prompts = [prompt_of(5, 90), prompt_of(9, 91)]
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    plain = LLM(target, **{**ENGINE, "num_kv_blocks": 40, "warmup": False}).generate(prompts, params, use_tqdm=False)
+    fixed = results(spec_llm(target, "draft_model", model, adaptive_k=False), prompts, params)
+    runs = {}
+    for mode in (True, False):
+        llm = spec_llm(target, "draft_model", model, async_scheduling=mode, time_model=lambda k, T: 1 + 0.3 * k)
+        runs[mode] = (results(llm, prompts, params), llm.stats()["spec"]["chosen_k"])
+        assert [r[0] for r in runs[mode][0]] == [o.token_ids for o in plain] == [r[0] for r in fixed]
+    assert runs[True] == runs[False]
+    chosen = np.asarray(runs[True][1])
+    share, last = chosen / chosen.sum(), llm.engine.k_chooser.current
+    if drafter == "never_matching":
+        assert all(r[2] == 0 for r in fixed)
+        assert share[0] >= 0.7 and last == 0, chosen
+    elif drafter == "target":   # (the prior, 0.6 at each position, starts it at k=1)
+        assert share[K] >= 0.7 and last == K, chosen
+    else:
+        assert 0 < llm.stats()["spec"]["acceptance_rate"] < 1
+        assert share[1:K].sum() >= 0.5 and 0 < last < K, chosen
+
+
+# Forced choices, by step number: every transition between 0, 1, 2 and 3.
+SCHEDULE = [3, 0, 0, 2, 1, 3, 3, 0, 1, 2, 2, 0, 3, 1, 1]
+
+
+@pytest.mark.parametrize("method,draft_sampling", [("draft_model", "argmax"), ("draft_model", "sample"),
+                                                   ("eagle3", "argmax"), ("ngram", "argmax")])
+def test_every_sequence_of_k_is_exact(target, drafters, method, draft_sampling):  # noqa: F811
+    """k forced through every transition (0 after K, K after 0, ...): greedy and seeded tokens equal plain
+    decoding (argmax drafts); async equals sync in tokens, drafted and accepted counts and chosen k."""
+    prompts = [prompt_of(6, 20), prompt_of(11, 21), [5, 6, 7, 8] * 3]
+    params = [SamplingParams(temperature=0, max_tokens=20),
+              SamplingParams(temperature=0.7, top_k=8, seed=7, max_tokens=20),
+              SamplingParams(temperature=0, max_tokens=20)]
+    plain = LLM(target, **{**ENGINE, "num_kv_blocks": 40, "warmup": False}).generate(prompts, params, use_tqdm=False)
+    runs = {}
+    for mode in (True, False):
+        llm = LLM(target, **{**ENGINE, "num_kv_blocks": 40, "warmup": False}, async_scheduling=mode,
+                  speculative_config=dict(method=method, model=drafters[method], num_speculative_tokens=K,
+                                          draft_sampling=draft_sampling, adaptive=True))
+        llm.engine.k_chooser.choose = lambda step, rows: SCHEDULE[step % len(SCHEDULE)]
+        runs[mode] = (results(llm, prompts, params), llm.stats()["spec"]["chosen_k"])
+        assert llm.stats()["num_preemptions"] == 0
+        assert all(n > 0 for n in runs[mode][1]), runs[mode][1]
+        assert llm.stats()["spec"]["accepted_tokens"] > 0
+        got = [r[0] for r in runs[mode][0]]
+        want = [o.token_ids for o in plain]
+        if draft_sampling == "argmax":
+            assert got == want, f"async={mode}"
+        else:   # sampled drafts keep the distribution, not the draws: the greedy rows must match
+            assert [got[0], got[2]] == [want[0], want[2]], f"async={mode}"
+    assert runs[True] == runs[False]
+
+
+@pytest.mark.parametrize("method", ["draft_model", "eagle3", "ngram"])
+def test_drafts_after_plain_steps_match_a_dense_reference(target, drafters, references, method):  # noqa: F811
+    """Steps with k = 0 run no proposal, yet the drafter keeps its own state (its KV, EAGLE's saved feature):
+    after every step the drafts the device holds for the next step are the reference's greedy proposals over
+    the sequence so far, and each step verifies exactly the k drafts proposed for it and accepts the longest
+    prefix of them that the target's greedy continuation agrees with."""
+    llm = spec_llm(target, method, drafters[method], async_scheduling=False, schedule=[0, 0, 2, 0, 3, 1, 0, 0, 3])
+    engine = llm.engine
+    prompt = prompt_of(9, 50) if method != "ngram" else [5, 6, 7, 8, 9] * 4
+    req = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=24))
+    checked, held = 0, []
+    while not req.finished:
+        before = (len(req.output_token_ids), req.num_draft_tokens, req.num_accepted_tokens)
+        engine.step()
+        if before[0] and held is not None:   # a decode step: it verified `held`, the drafts proposed for it
+            new = req.output_token_ids[before[0]:]
+            accepted = next((j for j, (d, t) in enumerate(zip(held, new)) if d != t), min(len(held), len(new)))
+            if not req.finished:
+                assert (req.num_draft_tokens - before[1], req.num_accepted_tokens - before[2]) == (len(held), accepted)
+        held = None
+        k = req.num_proposed
+        if req.output_token_ids and not req.finished:
+            held = np.asarray(engine.runner.state.drafts)[req.slot, :k].tolist()
+            seq = req.prompt_token_ids + req.output_token_ids
+            assert held == references["propose"][method](seq, K)[:k], f"after {len(seq)} tokens"
+            checked += k > 0
+    assert checked >= 4
+    assert llm.stats()["spec"]["accepted_tokens"] > 0
+
+
+def test_measured_times_with_warmup_compile_nothing_new(target, drafters):  # noqa: F811
+    """With the measured step times (no model): the warm-up compiles every draft width, so choosing k never
+    compiles; every width the engine ran is measured; the tokens are plain decoding's."""
+    prompts = [prompt_of(6, 20), prompt_of(11, 21)]
+    params = SamplingParams(temperature=0, max_tokens=24)
+    plain = LLM(target, **{**ENGINE, "num_kv_blocks": 40, "warmup": False}).generate(prompts, params, use_tqdm=False)
+    llm = spec_llm(target, "ngram", warmup=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    stats = llm.stats()
+    assert stats["recompiles"] == 0
+    chooser = llm.engine.k_chooser
+    assert {k for k, _ in chooser.times} == set(range(K + 1)), chooser.times
+    assert all(t > 0 for t in chooser.times.values())
+    assert sum(stats["spec"]["chosen_k"]) >= 10
