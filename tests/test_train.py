@@ -146,10 +146,8 @@ def test_bad_input_is_refused(target, data, trained, tmp_path):
         render(target.tokenizer, [[{"role": "user", "content": "hi " * 50}, {"role": "assistant", "content": "a"}]], 16)
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_sharegpt(4, str(tmp_path / "missing.json"))
-    with pytest.raises(ValueError, match="another tokenizer"):
-        train(no_template, render(target.tokenizer, [[{"role": "user", "content": "hello there"},
-                                                      {"role": "assistant", "content": "general kenobi, hello"}]],
-                                  32), tmp_path / "x", TrainConfig(steps=1), progress=False)
+    with pytest.raises(ValueError, match="another tokenizer"):   # ids past a 128-token target's vocabulary
+        train(no_template, training, tmp_path / "x", TrainConfig(steps=1), progress=False)
     with pytest.raises(ValueError, match="steps=0"):
         TrainConfig(steps=0)
 
