@@ -165,7 +165,7 @@ def slot_state(stepper: Stepper, state, slot: int) -> dict:
     return {(k, f): np.asarray(state[k][f][:, slot]) for k, fs in fields.items() for f in fs}
 
 
-@pytest.mark.parametrize("name", list(HYBRIDS))
+@pytest.mark.parametrize("name", ["qwen3_5"])   # the MoE changes nothing here (qwen3_next: prefill, generate)
 def test_prefill_decode_and_verify_steps_keep_each_accepted_counts_state(models, hf_models, name):
     """Ragged steps of two rows (prefill chunks, a decode token, a 1+k verify segment) give transformers' logits
     at every token; committed at accepted count a (0..k), the slot holds plain decoding's state over the same
@@ -250,28 +250,27 @@ def perturbed(model: Model, noise: float, seed: int) -> Model:
 def test_speculation_async_equals_sync_equals_greedy_under_preemption_and_chunked_prefill(
         models, greedy_refs, method):
     """Qwen3.5 hybrid target, k=3, drafts partly rejected, prefill in chunks of 8 tokens, requests finishing and
-    joining every few steps (rows move): every token is plain greedy's, async and sync. With a KV pool so small
-    that requests are preempted and recomputed too. Without preemption (whose points differ between async and
-    sync, and with them the steps that verify drafts) the drafted and accepted counts are equal, per request and
-    per draft position."""
+    joining every few steps (rows move): every token is plain greedy's, async and sync, and async with a KV pool
+    so small that requests are preempted and recomputed. Without preemption (whose points differ between async
+    and sync, and with them the steps that verify drafts) the drafted and accepted counts are equal, per request
+    and per draft position. One pool size for all runs: one compilation."""
     target = models["qwen3_5"]
     spec = dict(method=method, num_speculative_tokens=3)
     if method == "draft_model":
-        spec["model"] = perturbed(target, 0.3, seed=5)
+        spec["model"] = perturbed(target, 0.1, seed=5)
     else:   # a random model repeats little: match down to one token so that some drafts are accepted
         spec.update(prompt_lookup_min=1, prompt_lookup_max=3)
     counts = {}
-    for blocks, preempted in ((12, True), (40, False)):
-        for mode in (True, False):
-            llm = LLM(target, **ENGINE, max_num_batched_tokens=8, num_kv_blocks=blocks, async_scheduling=mode,
-                      speculative_config=spec, warmup=False)
-            params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
-            outs = llm.generate(PROMPTS, params, use_tqdm=False)
-            assert [o.token_ids for o in outs] == greedy_refs["qwen3_5"]
-            stats = llm.stats()
-            assert (stats["num_preemptions"] > 0) == preempted
-            assert 0 < stats["spec"]["accepted_tokens"] < stats["spec"]["draft_tokens"], stats["spec"]
-            if not preempted:
-                counts[mode] = ([(o.metrics["num_draft_tokens"], o.metrics["num_accepted_tokens"]) for o in outs],
-                                stats["spec"]["per_position_acceptance"])
+    for which, preempted, mode in ((slice(0, 5), True, True), (slice(1, 4), False, True), (slice(1, 4), False, False)):
+        llm = LLM(target, **ENGINE, max_num_batched_tokens=8, num_kv_blocks=13, async_scheduling=mode,
+                  speculative_config=spec, warmup=False)
+        params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in MAX_TOKENS[which]]
+        outs = llm.generate(PROMPTS[which], params, use_tqdm=False)
+        assert [o.token_ids for o in outs] == greedy_refs["qwen3_5"][which]
+        stats = llm.stats()
+        assert (stats["num_preemptions"] > 0) == preempted
+        assert 0 < stats["spec"]["accepted_tokens"] < stats["spec"]["draft_tokens"], stats["spec"]
+        if not preempted:
+            counts[mode] = ([(o.metrics["num_draft_tokens"], o.metrics["num_accepted_tokens"]) for o in outs],
+                            stats["spec"]["per_position_acceptance"])
     assert counts[True] == counts[False]
