@@ -1,5 +1,5 @@
-"""Hybrid models (Gated DeltaNet + gated attention; Qwen3.5 dense and MoE, Qwen3-Next with MoE) against transformers' own
-pure-torch definitions, on tiny random checkpoints written by transformers' `save_pretrained`:
+"""Hybrid models (Gated DeltaNet + gated attention; Qwen3.5 dense and MoE, Qwen3-Next with MoE) against
+transformers' own pure-torch definitions, on tiny random checkpoints written by transformers' `save_pretrained`:
 
   - prefill, decode and a (1+k)-token verify-shaped ragged step give transformers' logits;
   - for each accepted count a in 0..k the per-slot state the next step reads (conv window and delta-rule state)
@@ -10,7 +10,6 @@ pure-torch definitions, on tiny random checkpoints written by transformers' `sav
 """
 import dataclasses
 import json
-import shutil
 
 import jax
 import jax.numpy as jnp
@@ -39,8 +38,8 @@ HYBRIDS = {
                                            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                            shared_expert_intermediate_size=48)),
     # Qwen3.5 MoE (no dense MLP width in its config; top-k weights always renormalised)
-    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
-                                                 num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", dict(num_hidden_layers=2,
+                                                 layer_types=["linear_attention", "full_attention"], num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                                  shared_expert_intermediate_size=48, intermediate_size=None)),
 }
 ENGINE_MODELS = ["qwen3_5", "qwen3_next"]   # through the engine (qwen3_5_moe differs from qwen3_next in loading only)

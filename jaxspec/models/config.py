@@ -116,8 +116,9 @@ class ModelConfig:
         if model_type not in _HF_MODEL_TYPES:
             raise ValueError(
                 f"unsupported architecture model_type={model_type!r}; supported: {', '.join(sorted(_HF_MODEL_TYPES))}")
-        if "intermediate_size" not in hf and hf.get("num_experts") and _HF_MODEL_TYPES[model_type] in HYBRID_ARCHITECTURES:
-            hf = {**hf, "intermediate_size": hf.get("moe_intermediate_size", 0)}   # every layer MoE: no dense MLP
+        moe_only = hf.get("num_experts") and _HF_MODEL_TYPES[model_type] in HYBRID_ARCHITECTURES
+        if "intermediate_size" not in hf and moe_only:   # every layer MoE (Qwen3.5 MoE): no dense MLP width
+            hf = {**hf, "intermediate_size": hf.get("moe_intermediate_size", 0)}
         required = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"]
         missing = [k for k in required if k not in hf]
         if missing:

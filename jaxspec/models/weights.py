@@ -76,7 +76,8 @@ def concat_rows(c, *parts):
 def qwen3_next_in_proj(c, qkvz, ba):
     """Qwen3-Next's in_proj_qkvz (per key head: q, k, its G value heads' v, their z) and in_proj_ba (per key head:
     its G b, its G a) -> Qwen3.5's order [q | k | v | z | b | a]."""
-    Hk, Hv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
+    Hk, Hv = c.linear_num_key_heads, c.linear_num_value_heads
+    dk, dv = c.linear_key_head_dim, c.linear_value_head_dim
     G = Hv // Hk
     D = qkvz.shape[-1]
     w = qkvz.reshape(Hk, 2 * dk + 2 * G * dv, D)

@@ -243,7 +243,8 @@ class GatedDeltaNet:
 
     @staticmethod
     def dims(c):
-        Hk, Hv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
+        Hk, Hv = c.linear_num_key_heads, c.linear_num_value_heads
+        dk, dv = c.linear_key_head_dim, c.linear_value_head_dim
         return Hk, Hv, dk, dv, 2 * Hk * dk + Hv * dv
 
     def params(self, c):
