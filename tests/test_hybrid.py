@@ -279,3 +279,16 @@ def test_speculation_async_equals_sync_equals_greedy_under_preemption_and_chunke
             counts[mode] = ([(o.metrics["num_draft_tokens"], o.metrics["num_accepted_tokens"]) for o in outs],
                             stats["spec"]["per_position_acceptance"])
     assert counts[True] == counts[False]
+
+
+def test_unsupported_hybrid_configs_are_named(hybrid_dirs):
+    """What is not built is refused with the field that asks for it: a mix of MoE and dense MLP layers, an unknown
+    layer type."""
+    from jaxspec.models.config import ModelConfig
+    hf = json.loads((hybrid_dirs["qwen3_next"] / "config.json").read_text())
+    with pytest.raises(ValueError, match="mlp_only_layers"):
+        ModelConfig.from_hf({**hf, "mlp_only_layers": [0]})
+    with pytest.raises(ValueError, match=r"layer_types \['sliding_attention'\]"):
+        ModelConfig.from_hf({**hf, "layer_types": ["linear_attention", "sliding_attention"]})
+    config = ModelConfig.from_hf({k: v for k, v in hf.items() if k != "layer_types"} | {"num_hidden_layers": 4})
+    assert config.layer_types == ("gated_deltanet",) * 3 + ("gated_attention",)   # full attention every 4th
