@@ -188,7 +188,8 @@ def test_repeated_prompts_reuse_their_blocks_without_speculation(target):
     off = LLM(target, **ENGINE, enable_prefix_caching=False)
     assert [o.token_ids for o in run(off, [prompt] * 2, params)] == [o.token_ids for o in a]
     assert off.stats()["prefix_cache"] == {"enabled": False, "cached_blocks": 0, "queried_tokens": 0,
-                                           "hit_tokens": 0, "hit_rate": 0.0}
+                                           "hit_tokens": 0, "hit_rate": 0.0,
+                                           "disabled_reason": "enable_prefix_caching=False"}
 
 
 # ---- n completions per prompt ------------------------------------------------------------------------------

@@ -9,10 +9,16 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_next", "qwen3_5")
+# Hybrids: Gated DeltaNet ("linear_attention") and gated full-attention layers, zero-centred RMSNorms.
+HYBRID_ARCHITECTURES = ("qwen3_next", "qwen3_5")
 
-# HF `model_type` / `architectures` values mapped to our three families.
-_HF_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "llama"}
+# HF `model_type` / `architectures` values mapped to our families.
+_HF_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "llama",
+                   "qwen3_next": "qwen3_next", "qwen3_5_text": "qwen3_5", "qwen3_5": "qwen3_5",
+                   "qwen3_5_moe_text": "qwen3_5", "qwen3_5_moe": "qwen3_5"}
+# HF `layer_types` entries of the hybrids -> jaxspec layer kinds (jaxspec.nn.layers.LAYER_KINDS).
+_HF_LAYER_KINDS = {"linear_attention": "gated_deltanet", "full_attention": "gated_attention"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +44,21 @@ class ModelConfig:
     rope_freq_factors: tuple[float, ...] | None = None
     # The kind of each layer (a key of jaxspec.nn.layers.LAYER_KINDS); None: every layer "attention".
     layer_types: tuple[str, ...] | None = None
+    # Hybrids (Qwen3-Next, Qwen3.5): rotary on the first partial_rotary_factor * head_dim dims of each head;
+    # the Gated DeltaNet layers' heads and causal conv width.
+    partial_rotary_factor: float = 1.0
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 4
+    # Mixture of experts (0: dense MLP): experts, experts per token, each expert's MLP width, whether the top-k
+    # weights are renormalised, the gated shared expert's width (0: none).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    shared_expert_intermediate_size: int = 0
 
     def __post_init__(self):
         if self.layer_types is not None:
@@ -64,7 +85,19 @@ class ModelConfig:
 
     @property
     def qk_norm(self) -> bool:
-        return self.arch == "qwen3"
+        return self.arch in ("qwen3", *HYBRID_ARCHITECTURES)
+
+    @property
+    def hybrid(self) -> bool:
+        return self.arch in HYBRID_ARCHITECTURES
+
+    @property
+    def moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def rope_scaling_dict(self) -> dict | None:
@@ -74,9 +107,18 @@ class ModelConfig:
     def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
         """Build from a HF config.json dict; a missing required field raises a ValueError naming it."""
         model_type = hf.get("model_type")
+        if model_type in ("qwen3_5", "qwen3_5_moe") and isinstance(hf.get("text_config"), dict):
+            # a Qwen3.5 checkpoint (vision-language): its text model's config is nested
+            outer = hf
+            hf = {**hf["text_config"]}
+            hf.setdefault("tie_word_embeddings", outer.get("tie_word_embeddings", False))
+            model_type = hf.get("model_type", model_type + "_text")
         if model_type not in _HF_MODEL_TYPES:
             raise ValueError(
                 f"unsupported architecture model_type={model_type!r}; supported: {', '.join(sorted(_HF_MODEL_TYPES))}")
+        moe_only = hf.get("num_experts") and _HF_MODEL_TYPES[model_type] in HYBRID_ARCHITECTURES
+        if "intermediate_size" not in hf and moe_only:   # every layer MoE (Qwen3.5 MoE): no dense MLP width
+            hf = {**hf, "intermediate_size": hf.get("moe_intermediate_size", 0)}
         required = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"]
         missing = [k for k in required if k not in hf]
         if missing:
@@ -103,8 +145,12 @@ class ModelConfig:
                 rope_scaling = tuple(sorted((k, v) for k, v in rope_scaling.items()
                                             if k in ("factor", "low_freq_factor", "high_freq_factor",
                                                      "original_max_position_embeddings")))
+        arch = _HF_MODEL_TYPES[model_type]
+        extra: dict[str, Any] = {}
+        if arch in HYBRID_ARCHITECTURES:
+            extra = _hybrid_fields(hf, arch)
         return cls(
-            arch=_HF_MODEL_TYPES[model_type],
+            arch=arch,
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
             intermediate_size=hf["intermediate_size"],
@@ -119,4 +165,38 @@ class ModelConfig:
             max_position_embeddings=hf.get("max_position_embeddings", 4096),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            **extra,
         )
+
+
+def _hybrid_fields(hf: dict[str, Any], arch: str) -> dict[str, Any]:
+    """Qwen3-Next / Qwen3.5 fields: layer kinds, partial rotary, the Gated DeltaNet shapes, MoE."""
+    n = hf["num_hidden_layers"]
+    types = hf.get("layer_types")
+    if types is None:
+        interval = hf.get("full_attention_interval", 4)
+        types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(n)]
+    unknown = sorted(set(types) - set(_HF_LAYER_KINDS))
+    if unknown:
+        raise ValueError(f"unsupported layer_types {unknown}; supported: {', '.join(_HF_LAYER_KINDS)}")
+    rp = hf.get("rope_parameters") if isinstance(hf.get("rope_parameters"), dict) else {}
+    fields: dict[str, Any] = dict(
+        layer_types=tuple(_HF_LAYER_KINDS[t] for t in types),
+        partial_rotary_factor=float(rp.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))),
+        linear_num_key_heads=hf["linear_num_key_heads"], linear_num_value_heads=hf["linear_num_value_heads"],
+        linear_key_head_dim=hf["linear_key_head_dim"], linear_value_head_dim=hf["linear_value_head_dim"],
+        linear_conv_kernel_dim=hf.get("linear_conv_kernel_dim", 4))
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"unsupported hidden_act {hf['hidden_act']!r}; supported: silu")
+    if hf.get("attention_bias"):
+        raise ValueError("attention_bias=True is not supported for hybrid models")
+    if hf.get("num_experts", 0):
+        sparse_step = hf.get("decoder_sparse_step", 1)
+        if hf.get("mlp_only_layers") or sparse_step != 1:
+            raise ValueError("a mix of MoE and dense MLP layers (mlp_only_layers, decoder_sparse_step != 1) is not "
+                             "supported; every layer must be MoE or every layer dense")
+        fields.update(num_experts=hf["num_experts"], num_experts_per_tok=hf["num_experts_per_tok"],
+                      moe_intermediate_size=hf["moe_intermediate_size"],
+                      norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+                      shared_expert_intermediate_size=hf.get("shared_expert_intermediate_size", 0))
+    return fields

@@ -101,14 +101,19 @@ def load_tokenizer_dir(path: str | os.PathLike):
 
 
 def load_hf_dir(path: str | os.PathLike, dtype="bfloat16") -> Model:
-    """Load a llama / qwen2 / qwen3 HF directory: config.json, safetensors weights, tokenizer if present."""
+    """Load a llama / qwen2 / qwen3 / qwen3_next / qwen3_5 HF directory: config.json, safetensors weights, tokenizer if present."""
     dtype = resolve_dtype(dtype)
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"HF model directory not found: {str(path)!r}")
     config = read_config(path)
     tensors = SafetensorsDir(path)
-    params = params_from_hf_tensors(config, tensors.get_tensor, dtype)
+    get_tensor = tensors.get_tensor
+    if "model.language_model.embed_tokens.weight" in tensors:
+        # a vision-language checkpoint (Qwen3.5): the text model's tensors are under model.language_model.*
+        def get_tensor(name, get=tensors.get_tensor):
+            return get("model.language_model." + name[len("model."):] if name.startswith("model.") else name)
+    params = params_from_hf_tensors(config, get_tensor, dtype)
     tokenizer = load_tokenizer_dir(path)
     if tokenizer is not None:
         eos_ids = tuple(dict.fromkeys((*config.eos_token_ids, *tokenizer.eos_token_ids)))

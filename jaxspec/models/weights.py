@@ -52,6 +52,117 @@ HF_LAYER_TENSORS: dict[str, dict[str, tuple[tuple[str, ...], Callable]]] = {
 }
 
 
+# ---- hybrids (Qwen3-Next, Qwen3.5) -----------------------------------------------------------------------
+
+def plus_one(c, w):
+    """Zero-centred RMSNorm weights (HF computes x * (1 + w)) as the plain weight our RMSNorm multiplies by."""
+    return w.astype(np.float32) + 1.0
+
+
+def group_gated_qkv(c, q, k, v):
+    """HF q_proj [Hq * 2hd, D] (each head's q then its gate), k/v [Hkv*hd, D] -> rows grouped per kv head:
+    [its G q heads, its G gate heads, its k, its v]."""
+    Hkv, hd = c.num_kv_heads, c.head_dim
+    G = c.num_heads // Hkv
+    qg = q.reshape(Hkv, G, 2, hd, -1)
+    parts = [qg[:, :, 0], qg[:, :, 1], k.reshape(Hkv, 1, hd, -1), v.reshape(Hkv, 1, hd, -1)]
+    return np.concatenate(parts, axis=1).reshape(-1, q.shape[-1])
+
+
+def concat_rows(c, *parts):
+    return np.concatenate(parts, axis=0)
+
+
+def qwen3_next_in_proj(c, qkvz, ba):
+    """Qwen3-Next's in_proj_qkvz (per key head: q, k, its G value heads' v, their z) and in_proj_ba (per key head:
+    its G b, its G a) -> Qwen3.5's order [q | k | v | z | b | a]."""
+    Hk, Hv = c.linear_num_key_heads, c.linear_num_value_heads
+    dk, dv = c.linear_key_head_dim, c.linear_value_head_dim
+    G = Hv // Hk
+    D = qkvz.shape[-1]
+    w = qkvz.reshape(Hk, 2 * dk + 2 * G * dv, D)
+    q, k = w[:, :dk], w[:, dk:2 * dk]
+    v, z = w[:, 2 * dk:2 * dk + G * dv], w[:, 2 * dk + G * dv:]
+    ba = ba.reshape(Hk, 2 * G, D)
+    return np.concatenate([x.reshape(-1, D) for x in (q, k, v, z, ba[:, :G], ba[:, G:])], axis=0)
+
+
+def conv_kernel(c, w):
+    """HF depthwise conv1d weight [C, 1, K] -> [K, C]."""
+    return w[:, 0, :].T
+
+
+def stack_expert_gate_up(c, *parts):
+    """Per-expert gate/up [F, D] (all gates, then all ups) -> [E, D, F, 2]."""
+    E = c.num_experts
+    gate, up = np.stack(parts[:E]), np.stack(parts[E:])                                 # [E, F, D]
+    return np.stack([gate, up], axis=-1).transpose(0, 2, 1, 3)
+
+
+def stack_expert_down(c, *parts):
+    """Per-expert down [D, F] -> [E, F, D]."""
+    return np.stack(parts).transpose(0, 2, 1)
+
+
+def _experts(proj: str):
+    def names(c):
+        if proj == "down_proj":
+            return tuple(f"mlp.experts.{e}.down_proj.weight" for e in range(c.num_experts))
+        return tuple(f"mlp.experts.{e}.{p}.weight" for p in ("gate_proj", "up_proj") for e in range(c.num_experts))
+    return names
+
+
+def _gdn_in_proj(c):
+    if c.arch == "qwen3_next":
+        return (LIN + "in_proj_qkvz.weight", LIN + "in_proj_ba.weight")
+    return tuple(LIN + f"in_proj_{n}.weight" for n in ("qkv", "z", "b", "a"))
+
+
+def _gdn_in_proj_combine(c, *parts):
+    return qwen3_next_in_proj(c, *parts) if c.arch == "qwen3_next" else concat_rows(c, *parts)
+
+
+LIN = "linear_attn."
+_HYBRID_FFN = {
+    "mlp_norm": (("post_attention_layernorm.weight",), plus_one),
+    "gate_up_proj": (("mlp.gate_proj.weight", "mlp.up_proj.weight"), interleave_gate_up),
+    "down_proj": (("mlp.down_proj.weight",), None),
+    "router": (("mlp.gate.weight",), None),
+    "experts_gate_up": (_experts("gate_up"), stack_expert_gate_up),
+    "experts_down": (_experts("down_proj"), stack_expert_down),
+    "shared_gate_up": (("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight"),
+                       interleave_gate_up),
+    "shared_down": (("mlp.shared_expert.down_proj.weight",), None),
+    "shared_gate": (("mlp.shared_expert_gate.weight",), None),
+}
+HF_LAYER_TENSORS["gated_attention"] = {
+    "attn_norm": (("input_layernorm.weight",), plus_one),
+    "qkv_proj": ((ATTN + "q_proj.weight", ATTN + "k_proj.weight", ATTN + "v_proj.weight"), group_gated_qkv),
+    "q_norm": ((ATTN + "q_norm.weight",), plus_one),
+    "k_norm": ((ATTN + "k_norm.weight",), plus_one),
+    "o_proj": ((ATTN + "o_proj.weight",), None),
+    **_HYBRID_FFN,
+}
+HF_LAYER_TENSORS["gated_deltanet"] = {
+    "attn_norm": (("input_layernorm.weight",), plus_one),
+    "in_proj": (_gdn_in_proj, _gdn_in_proj_combine),
+    "conv_weight": ((LIN + "conv1d.weight",), conv_kernel),
+    "dt_bias": ((LIN + "dt_bias",), None),
+    "A_log": ((LIN + "A_log",), None),
+    "gdn_norm": ((LIN + "norm.weight",), None),
+    "out_proj": ((LIN + "out_proj.weight",), None),
+    **_HYBRID_FFN,
+}
+# Combines that read the model config (first argument).
+_CONFIG_COMBINES = {plus_one, group_gated_qkv, concat_rows, _gdn_in_proj_combine, conv_kernel, stack_expert_gate_up,
+                    stack_expert_down}
+
+
+def layer_sources(kind: str, name: str, config) -> tuple[str, ...]:
+    sources = HF_LAYER_TENSORS[kind][name][0]
+    return sources(config) if callable(sources) else sources
+
+
 def resolve_dtype(dtype) -> str:
     """'bfloat16' or 'float32' from a name ('bf16', 'fp32' too) or a numpy/jax dtype; ValueError otherwise."""
     if isinstance(dtype, str):
@@ -77,14 +188,19 @@ def read_layer_weight(get_tensor, kind: str, name: str, prefix: str, config, sha
                       optional: bool = False) -> np.ndarray | None:
     """One declared weight of one layer (HF names under `prefix`), assembled, shape-checked against the
     declaration and cast. `optional`: None when its HF tensors are absent (EAGLE-1's first layer norm)."""
-    sources, combine = HF_LAYER_TENSORS[kind][name]
-    names = [prefix + s for s in sources]
+    combine = HF_LAYER_TENSORS[kind][name][1]
+    names = [prefix + s for s in layer_sources(kind, name, config)]
     if optional and not all(_has(get_tensor, n) for n in names):
         return None
     parts = [_read(get_tensor, n) for n in names]
-    value = combine(*parts, config.num_kv_heads) if combine is group_qkv else (combine(*parts) if combine else parts[0])
+    if combine is group_qkv:
+        value = combine(*parts, config.num_kv_heads)
+    elif combine in _CONFIG_COMBINES:
+        value = combine(config, *parts)
+    else:
+        value = combine(*parts) if combine else parts[0]
     if tuple(value.shape) != tuple(shape):
-        shown = ", ".join(f"{n} {tuple(p.shape)}" for n, p in zip(names, parts))
+        shown = ", ".join(f"{n} {tuple(p.shape)}" for n, p in list(zip(names, parts))[:4])
         raise CorruptModelFileError(f"{shown}: give {name} of shape {tuple(value.shape)}; the config implies "
                                     f"{tuple(shape)}")
     return value.astype(np_dtype, copy=False)
@@ -113,7 +229,7 @@ def hf_tensor_names(config) -> list[str]:
     names = [TOP_TENSORS["embed"]]
     for i, kind in enumerate(decoder.layer_types):
         for name in schema["layers"][kind]:
-            names += [f"model.layers.{i}.{s}" for s in HF_LAYER_TENSORS[kind][name][0]]
+            names += [f"model.layers.{i}.{s}" for s in layer_sources(kind, name, config)]
     names.append(TOP_TENSORS["final_norm"])
     if "lm_head" in schema:
         names.append(TOP_TENSORS["lm_head"])
@@ -134,7 +250,10 @@ def params_from_hf_tensors(config, get_tensor: Callable[[str], np.ndarray], dtyp
     params: dict = {"layers": {}}
     for key in ("embed", "final_norm", "lm_head"):
         if key in schema:
-            params[key] = jax.device_put(read_top_weight(get_tensor, TOP_TENSORS[key], schema[key].shape, np_dtype))
+            value = read_top_weight(get_tensor, TOP_TENSORS[key], schema[key].shape, np_dtype)
+            if key == "final_norm" and config.hybrid:   # zero-centred, as every norm of the hybrids but the gated one
+                value = plus_one(config, value).astype(np_dtype)
+            params[key] = jax.device_put(value)
     index_in_kind: dict[str, int] = {}
     stacked = {kind: {name: np.empty(spec.shape, np_dtype) for name, spec in specs.items()}
                for kind, specs in schema["layers"].items()}

@@ -114,8 +114,12 @@ class Engine:
                                   max_rows=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens)
         # A cached block holds KV only: a layer kind with per-slot state (a recurrent state) would need that
         # state at the prefix's end too, which is not kept, so such models run without the cache.
-        caching = config.enable_prefix_caching and not any(
-            self.runner.target.per_slot_fields(self.step_config.cache_shape).values())
+        recurrent = sorted(k for k, f in self.runner.target.per_slot_fields(self.step_config.cache_shape).items() if f)
+        caching = config.enable_prefix_caching and not recurrent
+        self.prefix_cache_disabled_reason = None if caching else (
+            "enable_prefix_caching=False" if not config.enable_prefix_caching else
+            f"the model's {', '.join(recurrent)} layers keep a per-slot recurrent state that a cached block of KV "
+            "does not hold (the state at the prefix's end is not saved), so reusing cached blocks would not be exact")
         self.blocks = BlockManager(num_blocks, config.block_size, config.max_num_seqs, enable_prefix_caching=caching,
                                    key_overlap=int(drafter is not None and drafter.kv_reads_next_token))
         self.scheduler = Scheduler(self.blocks, self.step_config, max_num_seqs=config.max_num_seqs,
@@ -562,7 +566,7 @@ class Engine:
             "num_preemptions": self.scheduler.num_preemptions,
             "num_kv_blocks": self.blocks.num_blocks,
             "free_kv_blocks": self.blocks.num_free_blocks,
-            "prefix_cache": self.blocks.stats(),
+            "prefix_cache": {**self.blocks.stats(), "disabled_reason": self.prefix_cache_disabled_reason},
             "async_scheduling": self.config.async_scheduling,
         }
         k = self.step_config.num_speculative_tokens

@@ -1,0 +1,294 @@
+"""Hybrid models (Gated DeltaNet + gated attention; Qwen3.5 dense and MoE, Qwen3-Next with MoE) against
+transformers' own pure-torch definitions, on tiny random checkpoints written by transformers' `save_pretrained`:
+
+  - prefill, decode and a (1+k)-token verify-shaped ragged step give transformers' logits;
+  - for each accepted count a in 0..k the per-slot state the next step reads (conv window and delta-rule state)
+    is plain decoding's over the same tokens;
+  - greedy generation equals transformers' `generate`; with speculation (n-gram, draft model), chunked prefill and
+    forced preemption, async and sync give the same tokens and counts, equal to plain greedy;
+  - prefix caching is refused for them with a reason.
+"""
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import randomize_
+from jaxspec import LLM, SamplingParams
+from jaxspec.models import load_model
+from jaxspec.models.model import Model
+from jaxspec.nn import Decoder, schema
+from jaxspec.nn.layers import CacheShape
+from jaxspec.nn.ops import ForwardBatch, Ops
+
+TOLERANCE = 1e-4   # max|diff| / max|ref| of the logits (measured: ~5e-6)
+
+DIMS = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+            linear_value_head_dim=8, linear_conv_kernel_dim=4, max_position_embeddings=256)
+HYBRIDS = {
+    # Qwen3.5 dense: two Gated DeltaNet layers around a gated full-attention layer
+    "qwen3_5": ("Qwen3_5TextConfig", dict(num_hidden_layers=3,
+                                          layer_types=["linear_attention", "full_attention", "linear_attention"])),
+    # Qwen3-Next: MoE (4 experts, top 2, renormalised) with a gated shared expert in every layer
+    "qwen3_next": ("Qwen3NextConfig", dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
+                                           num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                           shared_expert_intermediate_size=48)),
+    # Qwen3.5 MoE (no dense MLP width in its config; top-k weights always renormalised)
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", dict(num_hidden_layers=2,
+                                                 layer_types=["linear_attention", "full_attention"], num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                                 shared_expert_intermediate_size=48, intermediate_size=None)),
+}
+ENGINE_MODELS = ["qwen3_5", "qwen3_next"]   # through the engine (qwen3_5_moe differs from qwen3_next in loading only)
+
+
+@pytest.fixture(scope="module")
+def hybrid_dirs(tmp_path_factory):
+    import torch
+    import transformers
+    root = tmp_path_factory.mktemp("tiny_hybrid")
+    dirs = {}
+    for i, (name, (cls, extra)) in enumerate(HYBRIDS.items()):
+        torch.manual_seed(i)
+        kwargs = {k: v for k, v in {**DIMS, **extra}.items() if v is not None}
+        model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, cls)(**kwargs),
+                                                              dtype=torch.float32)
+        randomize_(model, i)   # O(1) weights: logits far from flat
+        model.save_pretrained(str(root / name))
+        dirs[name] = root / name
+    return dirs
+
+
+@pytest.fixture(scope="module")
+def hf_models(hybrid_dirs):
+    import torch
+    import transformers
+    return {name: transformers.AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32).eval()
+            for name, d in hybrid_dirs.items()}
+
+
+@pytest.fixture(scope="module")
+def models(hybrid_dirs):
+    return {name: load_model(d, dtype="float32") for name, d in hybrid_dirs.items()}
+
+
+def hf_logits(hf, ids) -> np.ndarray:
+    import torch
+    with torch.no_grad():
+        return hf(torch.tensor([list(ids)])).logits[0].double().numpy()
+
+
+def relative_error(got, ref) -> float:
+    return float(np.abs(np.asarray(got, np.float64) - ref).max() / np.abs(ref).max())
+
+
+@pytest.mark.parametrize("name", list(HYBRIDS))
+def test_prefill_matches_transformers(models, hf_models, name):
+    ids = np.random.default_rng(0).integers(0, DIMS["vocab_size"], 24)
+    assert relative_error(models[name].score(ids), hf_logits(hf_models[name], ids)) <= TOLERANCE
+
+
+def test_nested_qwen3_5_checkpoint_loads_the_same_params(hybrid_dirs, models, tmp_path):
+    """A Qwen3.5 vision-language checkpoint: config.json nests the text model's config under `text_config`, its
+    tensors are `model.language_model.*` (vision and `mtp.*` tensors beside them are not read)."""
+    from safetensors.numpy import load_file, save_file
+    src = hybrid_dirs["qwen3_5"]
+    text = json.loads((src / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"], "tie_word_embeddings": False,
+         "text_config": text, "vision_config": {"depth": 1}}))
+    tensors = {("model.language_model." + k[len("model."):] if k.startswith("model.") else k): v
+               for k, v in load_file(str(src / "model.safetensors")).items()}
+    tensors["model.visual.patch_embed.proj.weight"] = np.zeros((2, 2), np.float32)
+    tensors["mtp.fc.weight"] = np.zeros((2, 2), np.float32)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    nested = load_model(tmp_path, dtype="float32")
+    assert nested.config == models["qwen3_5"].config
+    jax.tree_util.tree_map(np.testing.assert_array_equal, nested.params, models["qwen3_5"].params)
+
+
+# ---- ragged steps straight through the decoder ------------------------------------------------------------
+
+BS, MB, SLOTS = 4, 8, 3          # block size, blocks per slot, request slots (+1 trash slot)
+CACHE = CacheShape(num_kv_slots=SLOTS * MB * BS, num_slots=SLOTS + 1)
+
+
+def ragged_batch(rows, num_tokens: int = 16) -> tuple[ForwardBatch, np.ndarray]:
+    """rows: [(slot, start position, token ids)], each row's tokens contiguous, then padding (a row on the trash
+    slot that writes no KV) -> (batch with logits at every token, index of each real row's last token)."""
+    ids, pos, kv, row_of, first, slot_of, last = [], [], [], [], [], [], []
+    for r, (slot, start, tokens) in enumerate(rows):
+        first.append(len(ids))
+        slot_of.append(slot)
+        for j, t in enumerate(tokens):
+            ids.append(t)
+            pos.append(start + j)
+            kv.append(slot * MB * BS + start + j)
+            row_of.append(r)
+        last.append(len(ids) - 1)
+    pad = num_tokens - len(ids)
+    first.append(len(ids))
+    slot_of.append(SLOTS)
+    ids += [0] * pad
+    pos += [0] * pad
+    kv += [CACHE.num_kv_slots] * pad
+    row_of += [len(rows)] * pad
+    tables = np.array([np.arange(s * MB, (s + 1) * MB) if s < SLOTS else np.zeros(MB, int) for s in slot_of])
+    i32 = lambda x: jnp.asarray(np.asarray(x), jnp.int32)   # noqa: E731
+    batch = ForwardBatch(i32(ids), i32(pos), i32(kv), i32(row_of), i32(tables), i32(np.arange(num_tokens)),
+                         slot_of_row=i32(slot_of), first_token_of_row=i32(first))
+    return batch, np.array(last)
+
+
+class Stepper:
+    """Decoder.forward + Decoder.commit on a paged state, as the step runs them."""
+
+    def __init__(self, model: Model):
+        self.decoder = Decoder(model.config, Ops(attention="reference", block_size=BS))
+        self.params = model.params
+        self.fwd = jax.jit(self.decoder.forward)
+        self.commit = jax.jit(self.decoder.commit)
+
+    def init(self):
+        return schema.initialize(self.decoder.state_schema(CACHE), jnp.float32)
+
+    def __call__(self, state, rows, keep=None):
+        """-> (logits [T, V], state with each row's per-slot state kept after its token `keep[r]` (default: last))."""
+        batch, last = ragged_batch(rows)
+        logits, _, _, state, updates = self.fwd(self.params, state, batch)
+        slots = jnp.asarray([r[0] for r in rows] + [SLOTS], jnp.int32)
+        index = jnp.asarray(list(last if keep is None else keep) + [batch.token_ids.shape[0] - 1], jnp.int32)
+        return np.asarray(logits, np.float64), self.commit(state, updates, slots, index)
+
+
+def slot_state(stepper: Stepper, state, slot: int) -> dict:
+    """The per-slot fields (conv window, delta-rule state) of every Gated DeltaNet layer at `slot`."""
+    fields = stepper.decoder.per_slot_fields(CACHE)
+    return {(k, f): np.asarray(state[k][f][:, slot]) for k, fs in fields.items() for f in fs}
+
+
+@pytest.mark.parametrize("name", ["qwen3_5"])   # the MoE changes nothing here (qwen3_next: prefill, generate)
+def test_prefill_decode_and_verify_steps_keep_each_accepted_counts_state(models, hf_models, name):
+    """Ragged steps of two rows (prefill chunks, a decode token, a 1+k verify segment) give transformers' logits
+    at every token; committed at accepted count a (0..k), the slot holds plain decoding's state over the same
+    tokens, and the next step from it gives transformers' logits."""
+    hf, stepper, k = hf_models[name], Stepper(models[name]), 3
+    rng = np.random.default_rng(1)
+    a_seq, b_seq = [int(t) for t in rng.integers(0, 128, 9)], [int(t) for t in rng.integers(0, 128, 5)]
+    drafts = [int(t) for t in rng.integers(0, 128, k)]
+    ref_a = hf_logits(hf, a_seq)
+    # step 1: prefill chunks of both rows (A's first chunk, B's whole prompt but its last token)
+    state = stepper.init()
+    logits, state = stepper(state, [(0, 0, a_seq[:5]), (2, 0, b_seq[:4])])
+    assert relative_error(logits[:5], ref_a[:5]) <= TOLERANCE
+    assert relative_error(logits[5:9], hf_logits(hf, b_seq[:4])) <= TOLERANCE
+    # step 2: A's second chunk (reads its slot's conv window and delta-rule state), B verifies [its token + k drafts]
+    logits, after = stepper(state, [(0, 5, a_seq[5:8]), (2, 4, b_seq[4:5] + drafts)])
+    assert relative_error(logits[:3], ref_a[5:8]) <= TOLERANCE
+    ref_b = hf_logits(hf, b_seq + drafts)
+    assert relative_error(logits[3:3 + k + 1], ref_b[4:]) <= TOLERANCE
+    # step 3: A decodes one token
+    logits, _ = stepper(after, [(0, 8, a_seq[8:])])
+    assert relative_error(logits[:1], ref_a[8:]) <= TOLERANCE
+    for accepted in range(k + 1):
+        # the step keeps B's state after its last accepted token (index 3 + accepted in step 2's batch)
+        _, kept = stepper(state, [(0, 5, a_seq[5:8]), (2, 4, b_seq[4:5] + drafts)], keep=[2, 3 + accepted])
+        seq = b_seq + drafts[:accepted]
+        _, plain = stepper(stepper.init(), [(1, 0, seq)])              # plain decoding of the same tokens
+        want, got = slot_state(stepper, plain, 1), slot_state(stepper, kept, 2)
+        assert set(got) == {(kind, f) for kind in ["gated_deltanet"] for f in ("conv", "ssm")}
+        for key in want:
+            np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-5, err_msg=f"{key} a={accepted}")
+        # the next step (its KV past the accepted drafts rewritten) continues from it exactly
+        nxt = int(rng.integers(0, 128))
+        logits, _ = stepper(kept, [(2, len(seq), [nxt])])
+        assert relative_error(logits[:1], hf_logits(hf, seq + [nxt])[-1:]) <= TOLERANCE
+
+
+# ---- through the engine -------------------------------------------------------------------------------------
+
+PROMPTS = [[5, 9, 17, 3, 5, 9, 17, 3, 5], [100, 2, 60], [7, 7, 8, 7, 7, 8, 7, 7, 8, 7, 7], [33, 44, 55, 66, 77],
+           [1, 2, 3, 4, 1, 2, 3]]
+MAX_TOKENS = [14, 9, 12, 6, 11]   # requests finish at different steps: rows move, new requests join
+ENGINE = dict(max_num_seqs=3, max_model_len=48, block_size=4)
+
+
+def hf_greedy(hf, prompt, n) -> list[int]:
+    import torch
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, num_beams=1,
+                          pad_token_id=0, eos_token_id=None)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="module")
+def greedy_refs(hf_models):
+    return {name: [hf_greedy(hf_models[name], p, n) for p, n in zip(PROMPTS, MAX_TOKENS)] for name in ENGINE_MODELS}
+
+
+def run(llm) -> list[list[int]]:
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
+    return [o.token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("name", ENGINE_MODELS)
+def test_greedy_generation_equals_transformers_generate(models, greedy_refs, name):
+    llm = LLM(models[name], **ENGINE, max_num_batched_tokens=32, warmup=False)
+    assert run(llm) == greedy_refs[name]
+    pc = llm.stats()["prefix_cache"]
+    assert pc["enabled"] is False and "gated_deltanet" in pc["disabled_reason"] and "recurrent" in pc["disabled_reason"]
+
+
+def perturbed(model: Model, noise: float, seed: int) -> Model:
+    """The same model with every weight moved by `noise` times its own scale: a draft that agrees often."""
+    leaves, tree = jax.tree_util.tree_flatten(model.params)
+    keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
+    moved = [x + noise * jnp.std(x) * jax.random.normal(key, x.shape, x.dtype) if x.ndim > 1 else x
+             for x, key in zip(leaves, keys)]
+    return dataclasses.replace(model, params=jax.tree_util.tree_unflatten(tree, moved), name=model.name + "-draft")
+
+
+@pytest.mark.parametrize("method", ["draft_model", "ngram"])
+def test_speculation_async_equals_sync_equals_greedy_under_preemption_and_chunked_prefill(
+        models, greedy_refs, method):
+    """Qwen3.5 hybrid target, k=3, drafts partly rejected, prefill in chunks of 8 tokens, requests finishing and
+    joining every few steps (rows move): every token is plain greedy's, async and sync, and async with a KV pool
+    so small that requests are preempted and recomputed. Without preemption (whose points differ between async
+    and sync, and with them the steps that verify drafts) the drafted and accepted counts are equal, per request
+    and per draft position. One pool size for all runs: one compilation."""
+    target = models["qwen3_5"]
+    spec = dict(method=method, num_speculative_tokens=3)
+    if method == "draft_model":
+        spec["model"] = perturbed(target, 0.1, seed=5)
+    else:   # a random model repeats little: match down to one token so that some drafts are accepted
+        spec.update(prompt_lookup_min=1, prompt_lookup_max=3)
+    counts = {}
+    for which, preempted, mode in ((slice(0, 5), True, True), (slice(1, 4), False, True), (slice(1, 4), False, False)):
+        llm = LLM(target, **ENGINE, max_num_batched_tokens=8, num_kv_blocks=13, async_scheduling=mode,
+                  speculative_config=spec, warmup=False)
+        params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in MAX_TOKENS[which]]
+        outs = llm.generate(PROMPTS[which], params, use_tqdm=False)
+        assert [o.token_ids for o in outs] == greedy_refs["qwen3_5"][which]
+        stats = llm.stats()
+        assert (stats["num_preemptions"] > 0) == preempted
+        assert 0 < stats["spec"]["accepted_tokens"] < stats["spec"]["draft_tokens"], stats["spec"]
+        if not preempted:
+            counts[mode] = ([(o.metrics["num_draft_tokens"], o.metrics["num_accepted_tokens"]) for o in outs],
+                            stats["spec"]["per_position_acceptance"])
+    assert counts[True] == counts[False]
+
+
+def test_unsupported_hybrid_configs_are_named(hybrid_dirs):
+    """What is not built is refused with the field that asks for it: a mix of MoE and dense MLP layers, an unknown
+    layer type."""
+    from jaxspec.models.config import ModelConfig
+    hf = json.loads((hybrid_dirs["qwen3_next"] / "config.json").read_text())
+    with pytest.raises(ValueError, match="mlp_only_layers"):
+        ModelConfig.from_hf({**hf, "mlp_only_layers": [0]})
+    with pytest.raises(ValueError, match=r"layer_types \['sliding_attention'\]"):
+        ModelConfig.from_hf({**hf, "layer_types": ["linear_attention", "sliding_attention"]})
+    config = ModelConfig.from_hf({k: v for k, v in hf.items() if k != "layer_types"} | {"num_hidden_layers": 4})
+    assert config.layer_types == ("gated_deltanet",) * 3 + ("gated_attention",)   # full attention every 4th
