@@ -65,12 +65,15 @@ def test_training_lowers_the_loss_and_the_head_is_accepted(target, data, trained
     _, prompts = data
     assert result.first_step == 0 and len(result.losses) == STEPS
     early, late = np.mean(result.losses[:10]), np.mean(result.losses[-10:])
+    assert late < 0.6 * early, (early, late)     # ~0.52 measured (float32 reductions vary with the CPU)
+    assert result.accuracies[-10:, 0].mean() > 0.6, result.accuracies[-10:].mean(0)   # ~0.8 measured
     # the held-out estimate and what the engine measures on held-out prompts (the target's own answers)
     assert result.held_out["estimated_acceptance_length_k4"] > 1.5, result.held_out
     spec, tokens = acceptance(target, out, prompts)
     base, base_tokens = acceptance(target, untrained, prompts)
     assert base["mean_acceptance_length"] < 1.1, base
-    assert spec["mean_acceptance_length"] > 1.6 and spec["per_position_acceptance"][2] > 0.08, spec
+    # ~1.8 and 0.40 / 0.26 / 0.15 per position measured; an untrained head accepts nothing
+    assert spec["mean_acceptance_length"] > 1.45 and spec["per_position_acceptance"][2] > 0.05, spec
     # lossless: the same tokens as plain greedy decoding, with a head that drafts well and one that drafts badly
     plain = LLM(target, max_num_seqs=8, max_model_len=128, max_num_batched_tokens=128).generate(
         prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)
