@@ -96,10 +96,16 @@ def attention(c, ops: Ops, lp, x, kv: dict, i, batch: ForwardBatch):
     """x [T, Din] (already normed) -> (attention output after o_proj [T, D], kv with this step's k/v written
     into layer i of the pools)."""
     q, k, v = project_qkv(c, lp, x, batch.positions)
-    k_pool = kv["k"].at[i, batch.slot_mapping].set(k.astype(kv["k"].dtype), mode="drop")
-    v_pool = kv["v"].at[i, batch.slot_mapping].set(v.astype(kv["v"].dtype), mode="drop")
-    out = ops.attend(q, k_pool, v_pool, i, batch)                                 # [T, Hq*hd]
-    return out.astype(x.dtype) @ lp["o_proj"].T, {**kv, "k": k_pool, "v": v_pool}
+    kv = write_kv(kv, i, batch, k, v)
+    out = ops.attend(q, kv["k"], kv["v"], i, batch)                               # [T, Hq*hd]
+    return out.astype(x.dtype) @ lp["o_proj"].T, kv
+
+
+def write_kv(kv: dict, i, batch: ForwardBatch, k, v) -> dict:
+    """The pools with this step's k/v [T, Hkv, hd] written into layer i at the batch's slot mapping (slots past
+    the pool, padding, write nothing)."""
+    return {**kv, "k": kv["k"].at[i, batch.slot_mapping].set(k.astype(kv["k"].dtype), mode="drop"),
+            "v": kv["v"].at[i, batch.slot_mapping].set(v.astype(kv["v"].dtype), mode="drop")}
 
 
 def mlp(c, lp, h):
@@ -217,12 +223,11 @@ class GatedAttention:
         k, v = qkv[:, :, 2 * G], qkv[:, :, 2 * G + 1]
         q, k = rms_norm(q, lp["q_norm"], c.rms_norm_eps), rms_norm(k, lp["k_norm"], c.rms_norm_eps)
         q, k = partial_rope(q, batch.positions, c), partial_rope(k, batch.positions, c)
-        k_pool = state["k"].at[i, batch.slot_mapping].set(k.astype(state["k"].dtype), mode="drop")
-        v_pool = state["v"].at[i, batch.slot_mapping].set(v.astype(state["v"].dtype), mode="drop")
-        out = ops.attend(q, k_pool, v_pool, i, batch).astype(h.dtype)                  # [T, Hq*hd]
+        state = write_kv(state, i, batch, k, v)
+        out = ops.attend(q, state["k"], state["v"], i, batch).astype(h.dtype)          # [T, Hq*hd]
         out = out * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(h.dtype)
         h = h + out @ lp["o_proj"].T
-        return ffn(c, lp, h), {**state, "k": k_pool, "v": v_pool}, {}
+        return ffn(c, lp, h), state, {}
 
 
 def l2_normalize(x, eps: float = 1e-6):

@@ -222,6 +222,8 @@ class Engine:
 
     def _apply_intake(self):
         """(Under `_lock`.) Queues the requests and applies the aborts other threads handed in, in order."""
+        if not self._intake:   # the common case of a step: no lock taken
+            return
         with self._intake_lock:
             items = list(self._intake)
             self._intake.clear()

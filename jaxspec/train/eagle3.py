@@ -241,9 +241,9 @@ def train(target, examples: Examples, out_dir, config: TrainConfig = TrainConfig
                          f"{tc.vocab_size}: they were rendered with another tokenizer")
     aux_layers = eagle3_aux_layers(tc.num_layers)
     first_step = 0
-    latest = None
-    if (out_dir / CHECKPOINTS).is_dir():
-        latest = ocp.CheckpointManager(out_dir / CHECKPOINTS).latest_step()
+    manager = ocp.CheckpointManager(out_dir / CHECKPOINTS, options=ocp.CheckpointManagerOptions(
+        max_to_keep=2, save_interval_steps=1))
+    latest = manager.latest_step()
     if latest is None:   # the draft vocabulary: what the target predicts most where the head is trained
         predicted = predicted_tokens(target, examples, config.batch_size)
         next_is_assistant = np.pad(examples.mask[:, 1:], ((0, 0), (0, 1)))
@@ -260,8 +260,6 @@ def train(target, examples: Examples, out_dir, config: TrainConfig = TrainConfig
     params = init_head(head, target.params, d2t, config.seed)
     opt_state = optimizer.init(params)
 
-    manager = ocp.CheckpointManager(out_dir / CHECKPOINTS, options=ocp.CheckpointManagerOptions(
-        max_to_keep=2, save_interval_steps=1))
     if latest is not None:
         saved = json.loads((out_dir / CHECKPOINTS / "head.json").read_text())
         if saved["hidden_size"] != tc.hidden_size or saved["vocab_size"] != tc.vocab_size:
