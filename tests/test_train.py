@@ -127,6 +127,18 @@ def test_a_resumed_run_continues_the_loss_curve(target, data, tmp_path):
     np.testing.assert_allclose(resumed.losses, straight.losses[4:], rtol=1e-5)
 
 
+def test_a_time_budget_cuts_the_steps_and_the_schedule_with_them(target, data, tmp_path):
+    """max_seconds: once the first 25 steps are timed, the run is cut to what fits (here nothing more), it still
+    saves the head and a checkpoint at its last step, and training.json records the steps actually run."""
+    (training, _), _ = data
+    result = train(target, training, tmp_path / "budget",
+                   TrainConfig(steps=40, save_every=100, max_seconds=1e-3, **dict(CONFIG, cache_target_outputs=False)),
+                   progress=False)
+    assert len(result.losses) == 25
+    assert json.loads((tmp_path / "budget" / "training.json").read_text())["steps"] == 25
+    assert (tmp_path / "budget" / "checkpoints" / "25").is_dir() and (tmp_path / "budget" / "config.json").is_file()
+
+
 def test_draft_vocabulary_and_the_acceptance_estimate():
     ids = np.array([[5, 5, 5, 7, 7, 9, 1, 1]], np.int32)
     mask = np.array([[0, 1, 1, 1, 1, 1, 0, 0]], np.float32)

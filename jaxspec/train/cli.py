@@ -31,6 +31,9 @@ def main(argv=None):
                    help="run the target once per example and keep its outputs in memory (small datasets)")
     p.add_argument("--dtype", default="auto", help="the target's dtype: auto (bfloat16 on GPU), bfloat16, float32")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-seconds", type=float, default=None,
+                   help="wall-clock budget of the training loop: --steps is cut to what fits once the first "
+                        "steps are timed, and the learning-rate schedule decays over the cut count")
     args = p.parse_args(argv)
     from jaxspec.train import train_eagle3
     result = train_eagle3(args.model, args.out, num_conversations=args.num_conversations, steps=args.steps,
@@ -39,7 +42,8 @@ def main(argv=None):
                           draft_vocab_size=args.draft_vocab_size, num_held_out=args.num_held_out,
                           dataset_path=args.dataset_path, regenerate_responses=args.regenerate,
                           regenerate_max_tokens=args.regenerate_max_tokens, save_every=args.save_every,
-                          dtype=args.dtype, seed=args.seed, cache_target_outputs=args.cache_target_outputs)
+                          dtype=args.dtype, seed=args.seed, cache_target_outputs=args.cache_target_outputs,
+                          max_seconds=args.max_seconds)
     print(json.dumps({"out": str(result.out_dir), "steps": len(result.losses), "first_step": result.first_step,
                       "seconds": round(result.seconds, 1), "examples": result.num_examples,
                       "target_tokens": result.num_target_tokens,

@@ -54,6 +54,9 @@ class TrainConfig:
     # Run the target over every training example once and keep its outputs in device memory (never on disk):
     # for small datasets trained for many epochs (CPU runs); off, the target runs inside every training step.
     cache_target_outputs: bool = False
+    # Wall-clock budget of the training loop in seconds (set-up and the held-out estimate excluded): after the
+    # first steps have been timed, `steps` is cut to what fits and the schedule decays over the cut count.
+    max_seconds: float | None = None
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "ttt_steps", "draft_vocab_size", "save_every"):
@@ -61,6 +64,8 @@ class TrainConfig:
                 raise ValueError(f"{name}={getattr(self, name)!r} is invalid; it must be >= 1")
         if not 0 < self.learning_rate < 1:
             raise ValueError(f"learning_rate={self.learning_rate!r} is invalid; use a value in (0, 1)")
+        if self.max_seconds is not None and not self.max_seconds > 0:
+            raise ValueError(f"max_seconds={self.max_seconds!r} is invalid; use a positive number or None")
 
 
 def head_config(target: ModelConfig) -> ModelConfig:
@@ -252,13 +257,18 @@ def train(target, examples: Examples, out_dir, config: TrainConfig = TrainConfig
         d2t = np.asarray(json.loads((out_dir / CHECKPOINTS / "head.json").read_text())["d2t"], np.int32)
     head = EagleHead("eagle3", head_config(tc), tc, draft_vocab_size=len(d2t))
 
-    warmup = min(config.warmup_steps, config.steps - 1)
-    schedule = optax.warmup_cosine_decay_schedule(0.0, config.learning_rate, warmup, max(config.steps, warmup + 1),
+    # The learning rate is an argument of the step, computed on the host: a time budget can then resize the
+    # schedule after the first steps are timed without recompiling (the optimizer's state does not depend on it).
+    def optimizer(learning_rate):
+        return optax.chain(optax.clip_by_global_norm(config.grad_clip),
+                           optax.adamw(learning_rate, weight_decay=config.weight_decay))
+
+    def schedule(total_steps):
+        warmup = min(config.warmup_steps, total_steps - 1)
+        return optax.warmup_cosine_decay_schedule(0.0, config.learning_rate, warmup, max(total_steps, warmup + 1),
                                                   end_value=0.1 * config.learning_rate)
-    optimizer = optax.chain(optax.clip_by_global_norm(config.grad_clip),
-                            optax.adamw(schedule, weight_decay=config.weight_decay))
     params = init_head(head, target.params, d2t, config.seed)
-    opt_state = optimizer.init(params)
+    opt_state = optimizer(0.0).init(params)
 
     if latest is not None:
         saved = json.loads((out_dir / CHECKPOINTS / "head.json").read_text())
@@ -279,13 +289,13 @@ def train(target, examples: Examples, out_dir, config: TrainConfig = TrainConfig
 
     # The target's weights are arguments (as constants they would be copied into the compiled program).
     @jax.jit
-    def train_step(params, opt_state, target_params, ids, mask, cached=None):
+    def train_step(params, opt_state, target_params, ids, mask, learning_rate, cached=None):
         aux, teacher, in_vocab = cached if cached is not None else target_fn(target_params, ids, d2t_dev)
         weights = loss_weights(mask, in_vocab)
         grad_fn = jax.value_and_grad(lambda p: ttt_forward(head, p, target_params["embed"], ids, aux, teacher,
                                                            weights, J, decay), has_aux=True)
         (loss, (_, accs)), grads = grad_fn(params)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
+        updates, opt_state = optimizer(learning_rate).update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss, accs
 
     @jax.jit
@@ -304,20 +314,38 @@ def train(target, examples: Examples, out_dir, config: TrainConfig = TrainConfig
         parts = [target_fn(target.params, examples.ids[i:i + config.batch_size], d2t_dev)
                  for i in range(0, len(examples), config.batch_size)]
         cache = jax.tree_util.tree_map(lambda *xs: jnp.concatenate(xs), *parts)
-    bar = tqdm(range(first_step, config.steps), desc="training EAGLE-3", disable=not progress, unit="step",
-               initial=first_step, total=config.steps)
-    for step in bar:
+    total_steps, lr_at = config.steps, schedule(config.steps)
+    timed_from, timed_until = first_step + 5, first_step + 25   # after the compile; then the budget is applied
+    bar = tqdm(total=total_steps, initial=first_step, desc="training EAGLE-3", disable=not progress, unit="step")
+    step = first_step
+    while step < total_steps:
         idx = _batches(len(examples), config.batch_size, config.seed, step)
         cached = None if cache is None else jax.tree_util.tree_map(lambda x: x[idx], cache)
         params, opt_state, loss, acc = train_step(params, opt_state, target.params, examples.ids[idx],
-                                                  examples.mask[idx], cached)
+                                                  examples.mask[idx], np.float32(lr_at(step)), cached)
         losses.append(loss)
         accs.append(acc)
-        if (step + 1) % config.save_every == 0 or step + 1 == config.steps:
-            manager.save(step + 1, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}))
-        if progress and (step % 10 == 0 or step + 1 == config.steps):
+        step += 1
+        bar.update(1)
+        if config.max_seconds is not None and step in (timed_from, timed_until):
+            jax.block_until_ready(loss)
+            if step == timed_from:
+                t_timed = time.perf_counter()
+            else:
+                per_step = (time.perf_counter() - t_timed) / (timed_until - timed_from)
+                left = config.max_seconds - (time.perf_counter() - t0)
+                fits = step + max(int(left / per_step), 0)
+                if fits < total_steps:
+                    total_steps, lr_at = max(fits, step), schedule(max(fits, step))
+                    bar.total = total_steps
+                    bar.write(f"{per_step * 1e3:.0f} ms per step: {total_steps} steps fit in "
+                              f"max_seconds={config.max_seconds:g}")
+        if step % config.save_every == 0 or step == total_steps:
+            manager.save(step, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}))
+        if progress and (step % 10 == 1 or step == total_steps):
             a = np.asarray(acc)
             bar.set_postfix(loss=f"{float(loss):.3f}", acc="/".join(f"{x:.2f}" for x in a[:4]))
+    bar.close()
     manager.wait_until_finished()
     losses = [float(x) for x in jax.device_get(losses)]
     accs = np.asarray(jax.device_get(accs)).reshape(-1, J)
@@ -339,7 +367,7 @@ def train(target, examples: Examples, out_dir, config: TrainConfig = TrainConfig
     save_head(out_dir, head, params, d2t)
     result = TrainResult(out_dir, losses, accs, first_step, report, seconds, len(examples), examples.num_target_tokens)
     (out_dir / "training.json").write_text(json.dumps({
-        "steps": config.steps, "first_step": first_step, "seconds": seconds, "num_examples": len(examples),
+        "steps": total_steps, "first_step": first_step, "seconds": seconds, "num_examples": len(examples),
         "seq_len": int(examples.ids.shape[1]), "num_target_tokens": examples.num_target_tokens,
         "config": dataclasses.asdict(config), "final_loss": losses[-1] if losses else None,
         "held_out": report}, indent=1))

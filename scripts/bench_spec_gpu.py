@@ -1,0 +1,132 @@
+"""Speculative decoding with real weights, several drafters against plain decoding, at several batch sizes, with
+the target loaded once (issue #12's measurement). Each method gets one engine (max_num_seqs = the largest
+concurrency, so every batch size runs the same compiled steps); each workload is then driven at each concurrency
+by clients that keep that many requests in flight (bench_online), after an untimed pass that compiles what
+the timed one will use.
+
+    python3 scripts/bench_spec_gpu.py --model /tmp/models/Qwen2.5-Coder-1.5B-Instruct.Q4_K_M.gguf \\
+        --method none --method eagle3=/tmp/head --method ngram --method eagle3-adaptive=/tmp/head \\
+        --workload humaneval=.gpu/humaneval.json --workload sharegpt=.gpu/sharegpt_heldout.json \\
+        --concurrency 1 8 32 --num-prompts 16 32 96 --json /tmp/out/spec.json
+
+A method is `none`, `ngram`, `eagle3=HEAD_DIR`, `draft_model=GGUF_OR_DIR`, or any of the last three with
+`-adaptive` (SpeculativeConfig.adaptive). Workloads are `jaxspec-bench --save-workload` files (token ids).
+Prints one line per run and writes every run's report (tokens/s, TPOT, acceptance per position, the histogram
+of chosen k, steps compiled during the timed pass) to --json.
+"""
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+import types
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+
+def parse_method(text: str, k: int):
+    name, _, path = text.partition("=")
+    adaptive = name.endswith("-adaptive")
+    method = name.removesuffix("-adaptive")
+    if method == "none":
+        return name, None
+    if method not in ("ngram", "eagle3", "eagle", "draft_model"):
+        raise SystemExit(f"--method {text!r}: expected none, ngram, eagle3=DIR, eagle=DIR or draft_model=PATH")
+    spec = {"method": method, "num_speculative_tokens": k, "adaptive": adaptive}
+    if method != "ngram":
+        if not path:
+            raise SystemExit(f"--method {text!r} needs =PATH (the head or draft model)")
+        spec["model"] = path
+    return name, spec
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True)
+    p.add_argument("--method", action="append", required=True)
+    p.add_argument("--workload", action="append", required=True, help="NAME=PATH (a --save-workload file)")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--num-prompts", type=int, nargs="+", default=None,
+                   help="prompts per concurrency (default: 4 x concurrency, at least 16)")
+    p.add_argument("--num-spec-tokens", type=int, default=4)
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--ignore-eos", action="store_true", help="default: requests stop at EOS, as real ones do")
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--json", required=True)
+    args = p.parse_args()
+    num_prompts = args.num_prompts or [max(16, 4 * c) for c in args.concurrency]
+    if len(num_prompts) != len(args.concurrency):
+        raise SystemExit(f"--num-prompts has {len(num_prompts)} values for {len(args.concurrency)} concurrencies")
+
+    import numpy as np
+
+    from jaxspec import LLM
+    from jaxspec.bench_online import LocalBackend, run_online
+    from jaxspec.models.loader import load_model
+
+    t0 = time.perf_counter()
+    model = load_model(args.model, dtype=args.dtype)
+    print(f"target loaded in {time.perf_counter() - t0:.0f} s", flush=True)
+    workloads = {}
+    for w in args.workload:
+        name, _, path = w.partition("=")
+        with open(path) as f:
+            sessions = json.load(f)["sessions"]
+        # prompts that leave room for the whole output (the engine refuses longer ones)
+        workloads[name] = [(list(turns[0][0]), args.output_len) for turns in sessions
+                           if len(turns[0][0]) + args.output_len <= args.max_model_len]
+    results = []
+    for text in args.method:
+        label, spec = parse_method(text, args.num_spec_tokens)
+        t0 = time.perf_counter()
+        llm = LLM(model, max_num_seqs=max(args.concurrency), max_model_len=args.max_model_len,
+                  max_num_batched_tokens=args.max_num_batched_tokens, speculative_config=spec, warmup=False,
+                  enable_prefix_caching=False)
+        engine = llm.engine
+        print(f"{label}: engine built in {time.perf_counter() - t0:.0f} s", flush=True)
+        for wname, prompts in workloads.items():
+            for c, n in zip(args.concurrency, num_prompts):
+                sessions = [[turn] for turn in prompts[:n]]
+                run_args = types.SimpleNamespace(temperature=0.0, ignore_eos=args.ignore_eos, seed=0,
+                                                 request_rate=float("inf"), max_concurrency=c, quiet=True)
+                t0 = time.perf_counter()   # untimed: compiles the buckets and variants this pass uses
+                # adaptive k compiles a width the first time it picks it: give it steps to pick them in
+                warm_tokens = 48 if spec is not None and spec["adaptive"] else 8
+                run_online(LocalBackend(llm), [[(p, warm_tokens)] for (p, _), in sessions], run_args, "warm")
+                warm_s = time.perf_counter() - t0
+                before = {k: np.copy(v) for k, v in engine.spec_counters.items()}
+                compiled = engine.runner.num_compiled()
+                res = run_online(LocalBackend(llm), sessions, run_args, f"{label}/{wname}/b{c}")
+                after = engine.spec_counters
+                d = {k: after[k] - before[k] for k in after}
+                res.update(method=label, workload=wname, concurrency=c, warm_s=warm_s,
+                           compiled_during_run=engine.runner.num_compiled() - compiled)
+                if spec is not None:
+                    drafts = int(d["drafts"])
+                    res["spec"] = {"drafts": drafts, "accepted_tokens": int(d["accepted_tokens"]),
+                                   "mean_acceptance_length": 1 + int(d["accepted_tokens"]) / max(drafts, 1),
+                                   "per_position_acceptance": (d["accepted_per_position"] / max(drafts, 1)).tolist(),
+                                   "chosen_k": d["chosen_k"].tolist()}
+                results.append(res)
+                acc = (f"  acceptance length {res['spec']['mean_acceptance_length']:.2f} "
+                       f"per position {[round(x, 2) for x in res['spec']['per_position_acceptance']]}"
+                       f" chosen k {res['spec']['chosen_k']}" if spec else "")
+                print(f"{res['label']:<32} {res['output_throughput']:8.1f} tok/s  TPOT {res['tpot_ms']['mean']:.2f} ms"
+                      f"  {res['output_tokens']} tokens  digest {res.get('output_digest')}"
+                      f"  compiled during run {res['compiled_during_run']}  (warm {warm_s:.0f} s){acc}", flush=True)
+                with open(args.json, "w") as f:
+                    json.dump(results, f, indent=1, default=float)
+        del llm, engine
+        gc.collect()
+    base = {(r["workload"], r["concurrency"]): r["output_throughput"] for r in results if r["method"] == "none"}
+    for r in results:
+        b = base.get((r["workload"], r["concurrency"]))
+        if b and r["method"] != "none":
+            print(f"{r['label']:<32} {r['output_throughput'] / b:.2f}x plain")
+
+
+if __name__ == "__main__":
+    main()
