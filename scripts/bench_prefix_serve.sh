@@ -10,9 +10,6 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 [ -d .wheels ] && python3 -m pip install -q --no-index --find-links .wheels fastapi uvicorn pydantic starlette
 # Every run below has the same engine shapes: the compiled steps come from the persistent cache after the first.
 export JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
-# XLA's GEMM autotuning takes ~30 s of each of the 8 token buckets' first compile here (the second variant of a
-# bucket, same shapes, compiles in ~7 s); every run below compares like with like, so it is switched off.
-export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0"
 MODEL=qwen2.5-coder-1.5b-instruct
 ENGINE="--max-model-len 2048 --max-num-batched-tokens 1024"
 BENCH="python3 -m jaxspec.bench --model $MODEL --random-weights --dtype bfloat16 $ENGINE --max-concurrency 32 --quiet"

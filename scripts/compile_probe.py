@@ -1,11 +1,12 @@
-"""Where the step's compile time goes (issue #11): one token bucket of a model's step, lowered and compiled
-explicitly, greedy variant then the sampling variant of the same shapes, then the device time of the compiled
-greedy step. Run it once per setting to compare (XLA_FLAGS, --attention, --spec):
+"""Where the step's compile time goes and what each GEMM backend costs per token bucket (issue #11): each bucket
+of a model's step compiled with XLA's Triton GEMMs (autotuned) and with cuBLAS (`xla_gpu_enable_triton_gemm`
+off, per compile through `compiler_options`), timed to compile and to run (all-padding inputs: every matmul
+runs at the bucket's full size; attention reads only the trash slot).
 
-    python3 scripts/compile_probe.py --model qwen2.5-coder-1.5b-instruct --tokens 64 [--attention reference]
-    XLA_FLAGS=--xla_gpu_enable_triton_gemm=false python3 scripts/compile_probe.py ...
+    python3 scripts/compile_probe.py --model qwen2.5-coder-1.5b-instruct --tokens 8 32 128 512
+    python3 scripts/compile_probe.py ... --autotune-cache /tmp/xla-autotune   # then again: cache hits
 
-Prints one JSON line: seconds to trace+lower and to compile each variant, and the step's device time.
+Prints one JSON line per (bucket, backend).
 """
 import argparse
 import json
@@ -17,54 +18,56 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 
 def main():
-    import faulthandler
-    faulthandler.dump_traceback_later(float(os.environ.get("PROBE_DUMP_AFTER", "1e9")), exit=True)
     p = argparse.ArgumentParser()
-    p.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
-    p.add_argument("--tokens", type=int, default=64, help="the token bucket compiled")
+    p.add_argument("--model", default="qwen2.5-coder-1.5b-instruct", help="a preset (random weights) or a file")
+    p.add_argument("--tokens", type=int, nargs="+", default=[64])
+    p.add_argument("--backends", nargs="+", default=["triton", "cublas"], choices=["triton", "cublas", "default"])
+    p.add_argument("--autotune-cache", default=None, help="xla_gpu_per_fusion_autotune_cache_dir")
     p.add_argument("--attention", default="auto")
-    p.add_argument("--spec", default=None, help="a speculative_config as JSON (random weights for the drafter too)")
     p.add_argument("--label", default="")
     args = p.parse_args()
     import jax
     import numpy as np
 
     from jaxspec import LLM
-    from jaxspec.decode.step import StepVariant
-    from jaxspec.models.random import random_model
+    from jaxspec.decode.step import StepVariant, make_step
 
     t0 = time.perf_counter()
-    model = random_model(args.model, dtype="bfloat16", seed=0)
-    spec = json.loads(args.spec) if args.spec else None
-    llm = LLM(model, max_num_seqs=32, max_model_len=2048, max_num_batched_tokens=args.tokens, warmup=False,
-              attention=args.attention, speculative_config=spec, enable_prefix_caching=False)
+    if os.path.exists(args.model):
+        from jaxspec.models.loader import load_model
+        model = load_model(args.model, dtype="bfloat16")
+    else:
+        from jaxspec.models.random import random_model
+        model = random_model(args.model, dtype="bfloat16", seed=0)
+    llm = LLM(model, max_num_seqs=32, max_model_len=2048, max_num_batched_tokens=max(args.tokens), warmup=False,
+              attention=args.attention, enable_prefix_caching=False)
     runner = llm.engine.runner
     setup = time.perf_counter() - t0
-    T = args.tokens
-    out = {"label": args.label, "xla_flags": os.environ.get("XLA_FLAGS", ""), "attention": args.attention,
-           "tokens": T, "setup_s": round(setup, 1)}
-    for name, variant in (("greedy", StepVariant()), ("sample", StepVariant(sample=True))):
-        fn = runner.step_fn(T, variant)
-        buf = jax.device_put(runner.new_inputs(T).pack())
-        t1 = time.perf_counter()
-        lowered = fn.lower(runner.params, runner.drafter_params, runner.state, buf)
-        t2 = time.perf_counter()
-        compiled = lowered.compile()
-        t3 = time.perf_counter()
-        out[f"{name}_lower_s"], out[f"{name}_compile_s"] = round(t2 - t1, 2), round(t3 - t2, 2)
-        if name == "greedy":
-            hlo = compiled.as_text()
-            out["custom_calls"] = hlo.count("custom-call(")
-            out["fusions"] = hlo.count(" fusion(")
+    for T in args.tokens:
+        for backend in args.backends:
+            opts = {} if backend == "default" else {"xla_gpu_enable_triton_gemm": backend == "triton"}
+            if args.autotune_cache:
+                opts["xla_gpu_per_fusion_autotune_cache_dir"] = args.autotune_cache
+            fn = make_step(runner.target, runner.drafter, runner.step_config, T, runner.rows_for(T), StepVariant(),
+                           compiler_options=opts)
+            buf = jax.device_put(runner.new_inputs(T).pack())
+            t1 = time.perf_counter()
+            lowered = fn.lower(runner.params, runner.drafter_params, runner.state, buf)
+            t2 = time.perf_counter()
+            compiled = lowered.compile()
+            t3 = time.perf_counter()
             state, times = runner.state, []
-            for _ in range(8):
+            for _ in range(12):
                 t4 = time.perf_counter()
-                state, res = compiled(runner.params, runner.drafter_params, state, jax.device_put(buf))
+                state, res = compiled(runner.params, runner.drafter_params, state, buf)
                 jax.block_until_ready(res)
                 times.append(time.perf_counter() - t4)
-            out["step_ms"] = round(float(np.median(times[2:])) * 1e3, 3)
             runner.state = state
-    print(json.dumps(out), flush=True)
+            hlo = compiled.as_text()
+            print(json.dumps({"label": args.label, "tokens": T, "backend": backend, "setup_s": round(setup, 1),
+                              "lower_s": round(t2 - t1, 2), "compile_s": round(t3 - t2, 2),
+                              "custom_calls": hlo.count("custom-call("), "step_ms": round(
+                                  float(np.median(times[3:])) * 1e3, 3)}), flush=True)
 
 
 if __name__ == "__main__":

@@ -117,3 +117,34 @@ def test_adding_from_another_thread_never_waits_for_a_step(monkeypatch):
         engine.stop()
     assert [r.finish_reason for r in reqs] == ["length", "abort", "length", "abort", "length"]
     assert long.finish_reason == "length" and engine.blocks.num_free_blocks == engine.blocks.num_blocks
+
+
+def test_each_bucket_compiles_with_its_gemm_backend(monkeypatch, tmp_path):
+    """The GPU's per-bucket compiler options reach every step's compile: buckets from `cublas_from_tokens` up
+    compile their matmuls to cuBLAS, smaller ones keep the autotuned Triton GEMMs, all share the autotune
+    cache; the CPU compile accepts the options and the tokens do not change."""
+    import dataclasses
+
+    from jaxspec.decode import runner as runner_module
+    seen = {}
+    real = runner_module.make_step
+
+    def recording(*args, **kwargs):
+        seen[args[3]] = args[7] if len(args) > 7 else kwargs.get("compiler_options")
+        return real(*args, **kwargs)
+    monkeypatch.setattr(runner_module, "make_step", recording)
+    model = random_model(3)
+    prompts = [[1, 2, 3, 4, 5] * 5, [7, 8, 9]]
+    params = SamplingParams(temperature=0, max_tokens=6)
+    plain = [o.token_ids for o in LLM(model, max_num_seqs=2, max_model_len=64, max_num_batched_tokens=32,
+                                      warmup=False).generate(prompts, params, use_tqdm=False)]
+    assert all(not opts for opts in seen.values())   # the CPU's own choice: no options
+    seen.clear()
+    llm = LLM(model, max_num_seqs=2, max_model_len=64, max_num_batched_tokens=32, warmup=False)
+    runner = llm.engine.runner
+    runner.ops = dataclasses.replace(runner.ops, cublas_from_tokens=16, autotune_cache_dir=str(tmp_path))
+    assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == plain
+    assert {8, 32} <= set(seen)
+    for T, opts in seen.items():
+        assert opts.get("xla_gpu_enable_triton_gemm", True) == (T < 16), (T, opts)
+        assert opts["xla_gpu_per_fusion_autotune_cache_dir"] == str(tmp_path)

@@ -87,7 +87,8 @@ class ModelRunner:
         if fn is None:
             out_shardings = None if self.tp is None else (self.state_shardings, self.tp.replicated)
             fn = self._steps[(T, variant)] = make_step(self.target, self.drafter, self.step_config, T,
-                                                       self.rows_for(T), variant, out_shardings)
+                                                       self.rows_for(T), variant, out_shardings,
+                                                       self.ops.compiler_options(T))
         return fn
 
     def run(self, inputs: StepInputs, variant: StepVariant) -> dict:

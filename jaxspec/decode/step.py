@@ -281,10 +281,12 @@ def outputs(variant: StepVariant, raw_logits, emitted, num_accepted) -> dict:
 
 
 def make_step(target, drafter, sc: StepConfig, num_tokens: int, num_rows: int, variant: StepVariant = StepVariant(),
-              out_shardings=None):
+              out_shardings=None, compiler_options: dict | None = None):
     """The jitted step of one bucket and variant, taking the packed host buffer; the state is donated (the KV
-    pool is updated in place). `out_shardings`: (the state's, the outputs') under tensor parallelism."""
+    pool is updated in place). `out_shardings`: (the state's, the outputs') under tensor parallelism;
+    `compiler_options`: XLA options for this bucket's compile (Ops.compiler_options)."""
     def packed_step(params, drafter_params, state, buf):
         inp = unpack(buf, num_tokens, num_rows, sc.max_blocks_per_seq)
         return step(target, drafter, sc, variant, params, drafter_params, state, inp)
-    return jax.jit(packed_step, donate_argnums=(2,), out_shardings=out_shardings)
+    return jax.jit(packed_step, donate_argnums=(2,), out_shardings=out_shardings,
+                   compiler_options=compiler_options or None)

@@ -94,6 +94,9 @@ def dense_causal_attention(q, k_pool, v_pool, layer, batch: ForwardBatch, block_
     return _attend(q.reshape(T, k.shape[1], -1, hd), k, v, mask, 1.0 / math.sqrt(hd))
 
 
+# Steps of at least this many tokens compile their matmuls to cuBLAS on a GPU (Ops.compiler_options).
+CUBLAS_FROM_TOKENS = 128
+
 @dataclasses.dataclass(frozen=True)
 class Ops:
     """How an engine computes, chosen once (`Ops.for_backend`) and read by every layer, head and drafter.
@@ -107,6 +110,10 @@ class Ops:
     block_size: int = 16
     unroll: bool = False
     tp: Any = None          # nn.sharding.TensorParallel: the mesh the step runs on, or None (one device)
+    # GPU compiles: steps of at least this many tokens use cuBLAS for their matmuls instead of XLA's autotuned
+    # Triton GEMMs, and autotuning results persist in this directory (None: XLA's defaults).
+    cublas_from_tokens: int | None = None
+    autotune_cache_dir: str | None = None
 
     def __post_init__(self):
         if self.attention not in ("pallas", "reference", "dense"):
@@ -119,7 +126,25 @@ class Ops:
         gpu = jax.default_backend() == "gpu"
         if attention == "auto":
             attention = "pallas" if gpu else "reference"
-        return Ops(attention=attention, block_size=block_size, unroll=gpu if unroll is None else unroll, tp=tp)
+        autotune_cache = None
+        if gpu:
+            from jaxspec.models.presets import cache_dir
+            autotune_cache = str(cache_dir() / "xla-autotune")
+        return Ops(attention=attention, block_size=block_size, unroll=gpu if unroll is None else unroll, tp=tp,
+                   cublas_from_tokens=CUBLAS_FROM_TOKENS if gpu else None, autotune_cache_dir=autotune_cache)
+
+    def compiler_options(self, num_tokens: int) -> dict:
+        """XLA options for the compile of a step of `num_tokens` tokens. Measured on an H100 (Qwen2.5-1.5B,
+        docs/benchmarks.md): autotuned Triton GEMMs run the small matmuls of decode steps faster (2.24 vs 2.75
+        ms at 8 tokens) but cost ~40 s of autotuning per bucket; cuBLAS is faster from 128 tokens (3.25 vs 3.88
+        ms at 256) and compiles in ~4 s. The autotuning results are kept on disk: the next process that
+        compiles the same bucket takes ~6 s."""
+        opts = {}
+        if self.cublas_from_tokens is not None and num_tokens >= self.cublas_from_tokens:
+            opts["xla_gpu_enable_triton_gemm"] = False
+        if self.autotune_cache_dir is not None:
+            opts["xla_gpu_per_fusion_autotune_cache_dir"] = self.autotune_cache_dir
+        return opts
 
     def attend(self, q, k_pool, v_pool, layer, batch: ForwardBatch):
         """q [T, Hq, hd] against the pools [L, S, Hkv, hd] of layer `layer` -> [T, Hq*hd]; under tensor

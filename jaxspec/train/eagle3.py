@@ -87,8 +87,9 @@ def predicted_tokens(target, examples: Examples, batch_size: int) -> np.ndarray:
     """The target's argmax after every position of the examples [N, T]: the tokens a draft head must be able to
     propose (with self-distilled data they are the data's own tokens; with other data they are not)."""
     decoder = Decoder(target.config)
-    fn = jax.jit(lambda params, ids: jax.lax.map(
-        lambda seq: jnp.argmax(decoder.dense_forward(params, seq)[0], -1).astype(jnp.int32), ids))
+    # the batch's sequences side by side (vmap): one matmul of B x T rows per weight, not B of T rows
+    fn = jax.jit(jax.vmap(lambda params, seq: jnp.argmax(decoder.dense_forward(params, seq)[0], -1).astype(jnp.int32),
+                          in_axes=(None, 0)))
     parts = [fn(target.params, examples.ids[i:i + batch_size]) for i in range(0, len(examples), batch_size)]
     return np.concatenate(jax.device_get(parts))
 
