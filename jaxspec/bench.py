@@ -17,6 +17,7 @@ import dataclasses
 import gzip
 import hashlib
 import json
+import os
 import sys
 import time
 
@@ -392,7 +393,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "at these batch sizes")
     p.add_argument("--steady-steps", type=int, default=32)
     p.add_argument("--hbm-bandwidth", type=float, default=HBM_BANDWIDTH, help="bytes/s for the roofline")
-    p.add_argument("--baseline", choices=["hf"], help="also run the prompts through transformers")
+    p.add_argument("--baseline", choices=["hf", "vllm"],
+                   help="also run the prompts through transformers (hf) or vLLM's offline LLM (vllm: the same "
+                        "token ids, lengths, batch size, sampling and speculation, in a process of its own)")
+    p.add_argument("--vllm-memory-fraction", type=float, default=0.45,
+                   help="--baseline vllm: the share of device memory vLLM gets (jaxspec keeps the rest)")
+    p.add_argument("--vllm-model", default=None,
+                   help="--baseline vllm: the model path vLLM loads (default: --model's file or directory; with "
+                        "--random-weights a directory holding the model's config.json is enough)")
+    p.add_argument("--vllm-python", default=sys.executable,
+                   help="--baseline vllm: the Python interpreter that has vLLM (default: this one)")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--plot", help="write a PNG of tokens/s and TPOT per configuration")
     p.add_argument("--profile", help="write a device trace (jax.profiler) of the first configuration here")
@@ -408,6 +418,28 @@ def _load(args):
         from jaxspec.models.random import random_model
         return random_model(args.model, dtype=dtype, seed=args.seed)
     return load_model(args.model, dtype=dtype)
+
+
+def _vllm_side_by_side(args, model, workload: Workload, ours: dict) -> dict:
+    """The workload through vLLM (jaxspec/vllm_baseline.py), printed next to jaxspec's last configuration."""
+    from jaxspec.models.presets import PRESETS, preset_path
+    from jaxspec.vllm_baseline import build_request, run_vllm_baseline
+
+    def path(spec):
+        return str(preset_path(spec)) if spec in PRESETS else spec
+    prompts = [p if isinstance(p, list) else model.tokenizer.encode(p, add_special_tokens=True)
+               for p in workload.prompts]
+    request = build_request(args, prompts, list(workload.output_lens), args.vllm_model or path(args.model),
+                            path(args.draft_model) if args.draft_model else None)
+    res = run_vllm_baseline(request, python=args.vllm_python)
+    res["output_digest"] = output_digest(res.pop("token_ids"))
+    acc = (f", acceptance length {res['spec']['mean_acceptance_length']:.2f} (jaxspec "
+           f"{ours['spec']['mean_acceptance_length']:.2f})" if "spec" in res and "spec" in ours else "")
+    print(f"{res['label']:<28}{res['output_throughput']:>10.2f} tok/s, mean TPOT {res['tpot_ms']['mean']:.2f} ms{acc}; "
+          f"jaxspec {ours['label']}: {ours['output_throughput']:.2f} tok/s = "
+          f"{ours['output_throughput'] / res['output_throughput']:.2f}x vLLM; same tokens: "
+          f"{res['output_digest'] == ours.get('output_digest')}")
+    return res
 
 
 def run(argv=None) -> list[dict]:
@@ -426,6 +458,19 @@ def run(argv=None) -> list[dict]:
             with open(args.json, "w") as f:
                 json.dump([res], f, indent=2, default=float)
         return [res]
+    if args.baseline == "vllm":
+        if args.dataset == "sharegpt-multiturn" or np.isfinite(args.request_rate):
+            raise SystemExit("--baseline vllm runs offline workloads (all requests at once, no --request-rate, "
+                             "no multi-turn dataset)")
+        if not 0 < args.vllm_memory_fraction < 0.9:
+            raise SystemExit(f"--vllm-memory-fraction={args.vllm_memory_fraction} is invalid; use a value in (0, 0.9)")
+        from jaxspec.vllm_baseline import vllm_available
+        if args.vllm_python == sys.executable and not vllm_available():
+            raise SystemExit("--baseline vllm needs vLLM in this Python environment (for example `pip install "
+                             "vllm==0.23.0`, or the wheel set of ../shared/tools/vllm_wheels.sh), or "
+                             "--vllm-python naming an interpreter that has it")
+        # Both engines share the device: jaxspec's allocator takes only what vLLM leaves (set before JAX starts).
+        os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{0.95 - args.vllm_memory_fraction:.2f}")
     model = _load(args)
     spec = None
     if args.spec_method:
@@ -492,6 +537,8 @@ def run(argv=None) -> list[dict]:
                      "(other batch size: compare with a jaxspec run at that --max-concurrency)")
             print(f"{r['label']:<28}{r['output_throughput']:>10.2f} tok/s   {ratio}")
         results += hf
+    if args.baseline == "vllm":
+        results.append(_vllm_side_by_side(args, model, workload, results[-1]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2, default=float)

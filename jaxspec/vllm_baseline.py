@@ -1,0 +1,137 @@
+"""`jaxspec-bench --baseline vllm`: the same prompts (token ids), output lengths, batch size, sampling and
+speculation through vLLM's offline `LLM`, in a process of its own, for the side-by-side.
+
+The child process gets one JSON request (model, prompts, settings) and writes one JSON result: output tokens,
+wall time, TPOT where vLLM reports per-request times, and with speculation vLLM's own acceptance counters
+(`vllm:spec_decode_*` from `LLM.get_metrics()`). It runs before jaxspec touches the GPU, with a share of the
+device memory each (`--vllm-memory-fraction`), so the two never hold the same memory.
+
+    python -m jaxspec.vllm_baseline REQUEST.json RESULT.json     # what the bench runs
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+# What `--spec-method` is called in vLLM's speculative_config
+_VLLM_METHOD = {"draft_model": "draft_model", "eagle": "eagle", "eagle3": "eagle3", "ngram": "ngram"}
+
+
+def vllm_available() -> bool:
+    return importlib.util.find_spec("vllm") is not None
+
+
+def build_request(args, prompts: list[list[int]], output_lens: list[int], model_path: str,
+                  draft_path: str | None) -> dict:
+    """What the child runs: everything as plain JSON (token ids, not text: vLLM skips its tokenizer)."""
+    spec = None
+    if args.spec_method:
+        spec = {"method": _VLLM_METHOD[args.spec_method], "num_speculative_tokens": args.num_spec_tokens}
+        if args.spec_method == "ngram":
+            spec.update(prompt_lookup_max=4, prompt_lookup_min=1)
+        else:
+            spec["model"] = draft_path
+    return {"model": model_path, "prompts": prompts, "output_lens": output_lens,
+            "max_num_seqs": args.max_concurrency, "max_model_len": args.max_model_len,
+            "max_num_batched_tokens": args.max_num_batched_tokens, "temperature": args.temperature,
+            "seed": args.seed, "ignore_eos": args.ignore_eos, "random_weights": args.random_weights,
+            "dtype": "bfloat16" if args.dtype == "auto" else args.dtype, "speculative_config": spec,
+            "gpu_memory_utilization": args.vllm_memory_fraction}
+
+
+def run_vllm_baseline(request: dict, python: str = sys.executable, timeout: float | None = None) -> dict:
+    """Runs the request in a child process and returns its result (a bench result dict, label 'vllm...')."""
+    if not vllm_available() and python == sys.executable:
+        raise SystemExit("--baseline vllm needs vLLM in this Python environment (for example `pip install "
+                         "vllm==0.23.0`, or the wheel set of ../shared/tools/vllm_wheels.sh); it is not installed")
+    with tempfile.TemporaryDirectory() as tmp:
+        req, res = os.path.join(tmp, "request.json"), os.path.join(tmp, "result.json")
+        with open(req, "w") as f:
+            json.dump(request, f)
+        env = dict(os.environ, VLLM_USE_FLASHINFER_SAMPLER=os.environ.get("VLLM_USE_FLASHINFER_SAMPLER", "0"))
+        proc = subprocess.run([python, "-m", "jaxspec.vllm_baseline", req, res], env=env, timeout=timeout)
+        if proc.returncode != 0 or not os.path.exists(res):
+            raise RuntimeError(f"the vLLM baseline failed (exit code {proc.returncode}); its output is above")
+        with open(res) as f:
+            return json.load(f)
+
+
+def _metric_values(metrics) -> dict:
+    """vLLM's metrics (Counter: .value, Vector: .values) by name, summed over label sets."""
+    out = {}
+    for m in metrics:
+        if hasattr(m, "values"):
+            prev = out.get(m.name, [0] * len(m.values))
+            out[m.name] = [a + b for a, b in zip(prev, m.values)]
+        elif hasattr(m, "value"):
+            out[m.name] = out.get(m.name, 0) + m.value
+    return out
+
+
+def _tpot(output) -> float | None:
+    """Seconds per output token after the first, where vLLM reports per-request times."""
+    m = getattr(output, "metrics", None)
+    first, last = getattr(m, "first_token_ts", None), getattr(m, "last_token_ts", None)
+    n = len(output.outputs[0].token_ids)
+    if first is None or last is None or n < 2:
+        return None
+    return (last - first) / (n - 1)
+
+
+def _child(request_path: str, result_path: str):
+    import numpy as np
+    from vllm import LLM, SamplingParams
+
+    with open(request_path) as f:
+        r = json.load(f)
+    spec = r["speculative_config"]
+    kwargs = dict(model=r["model"], max_num_seqs=r["max_num_seqs"], max_model_len=r["max_model_len"],
+                  max_num_batched_tokens=r["max_num_batched_tokens"], dtype=r["dtype"], seed=r["seed"],
+                  skip_tokenizer_init=True, gpu_memory_utilization=r["gpu_memory_utilization"],
+                  disable_log_stats=spec is None)   # stats cost time per step: on only to read acceptance
+    if r["random_weights"]:
+        kwargs["load_format"] = "dummy"
+    if spec is not None:
+        kwargs["speculative_config"] = spec
+    llm = LLM(**kwargs)
+    prompts = [{"prompt_token_ids": ids} for ids in r["prompts"]]
+    params = [SamplingParams(temperature=r["temperature"], max_tokens=n, ignore_eos=r["ignore_eos"],
+                             seed=r["seed"] + i, detokenize=False) for i, n in enumerate(r["output_lens"])]
+    llm.generate(prompts[:min(len(prompts), r["max_num_seqs"])],
+                 [SamplingParams(temperature=r["temperature"], max_tokens=8, detokenize=False)] *
+                 min(len(prompts), r["max_num_seqs"]), use_tqdm=False)   # warm-up: compiles and graphs
+    before = _metric_values(llm.get_metrics()) if spec is not None else {}
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    duration = time.perf_counter() - t0
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    tpots = [t for t in map(_tpot, outs) if t is not None]
+    label = "vllm" + (f"+{spec['method']}" if spec else "")
+    result = {"label": label, "requests": len(outs), "duration_s": duration, "output_tokens": n_out,
+              "output_throughput": n_out / duration, "batch": r["max_num_seqs"],
+              "tpot_ms": {"mean": 1e3 * float(np.mean(tpots)) if tpots else float("nan"),
+                          "median": 1e3 * float(np.median(tpots)) if tpots else float("nan")},
+              "token_ids": [list(o.outputs[0].token_ids) for o in outs]}
+    if spec is not None:
+        after = _metric_values(llm.get_metrics())
+        diff = {k: (np.asarray(after[k]) - np.asarray(before.get(k, 0))).tolist() for k in after
+                if k.startswith("vllm:spec_decode")}
+        drafts = diff.get("vllm:spec_decode_num_drafts", 0)
+        accepted = diff.get("vllm:spec_decode_num_accepted_tokens", 0)
+        per_pos = diff.get("vllm:spec_decode_num_accepted_tokens_per_pos", [])
+        result["spec"] = {"num_speculative_tokens": spec["num_speculative_tokens"], "drafts": drafts,
+                          "draft_tokens": diff.get("vllm:spec_decode_num_draft_tokens", 0),
+                          "accepted_tokens": accepted,
+                          "mean_acceptance_length": 1 + accepted / drafts if drafts else 1.0,
+                          "per_position_acceptance": [a / drafts for a in per_pos] if drafts else []}
+    with open(result_path, "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    _child(sys.argv[1], sys.argv[2])
