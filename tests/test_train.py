@@ -194,3 +194,9 @@ def test_training_unrolls_the_head_as_the_engine_drafts(target, data, trained):
         d2t = np.asarray(params["draft_to_target"])
         got = [int(d2t[np.argmax(np.asarray(logits[j])[0, n - 2])]) for j in range(k)]
         assert got == drafts, (got, drafts)
+        # the GPU's bf16 matmuls (f32 params cast inside) keep the same drafts on this sequence
+        logits16 = unrolled_logits(head, {k_: v for k_, v in params.items() if k_ != "draft_to_target"},
+                                   target.params["embed"], jnp.asarray(seq), aux, k, compute_dtype=jnp.bfloat16)
+        assert all(l16.dtype == jnp.float32 for l16 in logits16)
+        got16 = [int(d2t[np.argmax(np.asarray(logits16[j])[0, n - 2])]) for j in range(k)]
+        assert got16 == drafts, (got16, drafts)

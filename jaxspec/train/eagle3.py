@@ -57,6 +57,9 @@ class TrainConfig:
     # Wall-clock budget of the training loop in seconds (set-up and the held-out estimate excluded): after the
     # first steps have been timed, `steps` is cut to what fits and the schedule decays over the cut count.
     max_seconds: float | None = None
+    # The head's matmuls in training: "auto" is bfloat16 on a GPU (f32 master weights and optimizer state) and
+    # float32 elsewhere.
+    compute_dtype: str = "auto"
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "ttt_steps", "draft_vocab_size", "save_every"):
@@ -128,10 +131,13 @@ def _shift(x, n: int):
     return jnp.pad(x[:, n:], pad)
 
 
-def unrolled_logits(head: EagleHead, params, embed, ids, aux, num_steps: int) -> list:
+def unrolled_logits(head: EagleHead, params, embed, ids, aux, num_steps: int, compute_dtype=jnp.float32) -> list:
     """The head unrolled `num_steps` draft steps from every position at once -> [J] of draft-vocabulary logits
     [B, T, Vd] f32: step j's row a is chain a's draft j, which predicts token a+j+2. ids i32[B, T];
-    aux [B, T, 3D] the target's residual streams."""
+    aux [B, T, 3D] the target's residual streams. The matmuls run in `compute_dtype` (bf16 on a GPU: the
+    f32 params are cast here, so their gradients stay f32); norms, softmaxes and logits in f32."""
+    params = jax.tree_util.tree_map(lambda x: x.astype(compute_dtype), params)
+    aux = aux.astype(compute_dtype)
     c = head.config
     B, T = ids.shape
     Hq, Hkv, hd = c.num_heads, c.num_kv_heads, c.head_dim
@@ -144,7 +150,7 @@ def unrolled_logits(head: EagleHead, params, embed, ids, aux, num_steps: int) ->
     flat = lambda x: x.reshape(B * T, *x.shape[2:])                                      # noqa: E731
     for j in range(num_steps):
         tok = _shift(ids, j + 1)                                                          # [B, T] t_{a+j+1}
-        emb = embed[tok].astype(jnp.float32)
+        emb = embed[tok].astype(compute_dtype)
         x = jnp.concatenate([rms_norm(emb, lp["attn_norm"], c.rms_norm_eps),
                              rms_norm(hidden, params["hidden_norm"], c.rms_norm_eps)], -1)   # [B, T, 2D]
         positions = jnp.tile(jnp.arange(T, dtype=jnp.int32) + j, B)                      # chain a at a+j
@@ -159,26 +165,26 @@ def unrolled_logits(head: EagleHead, params, embed, ids, aux, num_steps: int) ->
         s0 = jnp.einsum("btkgd,bskd->btkgs", q, keys0) * scale                            # [B, T, Hkv, G, T]
         s0 = jnp.where(causal[None, :, None, None, :], s0, -jnp.inf)
         s_own = [jnp.einsum("btkgd,btkd->btkg", q, ki)[..., None] * scale for ki in own_k]
-        p = jax.nn.softmax(jnp.concatenate([s0] + s_own, -1), -1)
+        p = jax.nn.softmax(jnp.concatenate([s0] + s_own, -1).astype(jnp.float32), -1).astype(compute_dtype)
         out = jnp.einsum("btkgs,bskd->btkgd", p[..., :T], values0)
         for i, vi in enumerate(own_v):
             out = out + p[..., T + i, None] * vi[:, :, :, None, :]
         attn = out.reshape(B * T, Hq * hd) @ lp["o_proj"].T
         hidden = mlp(c, lp, flat(hidden) + attn).reshape(B, T, -1)                        # [B, T, D]
         out_logits.append(jnp.einsum("btd,vd->btv", rms_norm(hidden, params["norm"], c.rms_norm_eps),
-                                     params["lm_head"]))
+                                     params["lm_head"]).astype(jnp.float32))
     return out_logits
 
 
 def ttt_forward(head: EagleHead, params, embed, ids, aux, teacher, weights, num_steps: int, step_decay: float,
-                counted=None):
+                counted=None, compute_dtype=jnp.float32):
     """The training-time test over a batch -> (weighted loss, (per-step loss [J], per-step accuracy [J])).
     teacher: the target's log-probs over the draft vocabulary [B, T, Vd]; weights [B, T]: 1 where position p's
     prediction (of token p+1) is trained. Accuracy is over `weights` too, or over `counted` when given (every
     assistant position: a draft cannot match where the target's argmax is outside the draft vocabulary, and
     those positions carry weight 0 in `weights`)."""
     losses, accs, total = [], [], 0.0
-    for j, logits in enumerate(unrolled_logits(head, params, embed, ids, aux, num_steps)):
+    for j, logits in enumerate(unrolled_logits(head, params, embed, ids, aux, num_steps, compute_dtype)):
         t_lp = _shift(teacher, j + 1)                                                     # teacher at a+j+1
         w = _shift(weights, j + 1)
         ce = -jnp.sum(jnp.exp(t_lp) * jax.nn.log_softmax(logits, -1), -1)                 # [B, T]
@@ -287,6 +293,8 @@ def train(target, examples: Examples, out_dir, config: TrainConfig = TrainConfig
     target_fn = make_target_fn(tc, aux_layers)
     d2t_dev = jnp.asarray(d2t)
     J, decay = config.ttt_steps, config.step_decay
+    cd = jnp.dtype(("bfloat16" if jax.default_backend() == "gpu" else "float32") if config.compute_dtype == "auto"
+                   else config.compute_dtype)
 
     # The target's weights are arguments (as constants they would be copied into the compiled program).
     @jax.jit
@@ -294,7 +302,7 @@ def train(target, examples: Examples, out_dir, config: TrainConfig = TrainConfig
         aux, teacher, in_vocab = cached if cached is not None else target_fn(target_params, ids, d2t_dev)
         weights = loss_weights(mask, in_vocab)
         grad_fn = jax.value_and_grad(lambda p: ttt_forward(head, p, target_params["embed"], ids, aux, teacher,
-                                                           weights, J, decay), has_aux=True)
+                                                           weights, J, decay, compute_dtype=cd), has_aux=True)
         (loss, (_, accs)), grads = grad_fn(params)
         updates, opt_state = optimizer(learning_rate).update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss, accs
@@ -305,7 +313,7 @@ def train(target, examples: Examples, out_dir, config: TrainConfig = TrainConfig
         weights = loss_weights(mask, in_vocab)
         counted = _shift(mask, 1)
         _, (losses, accs) = ttt_forward(head, params, target_params["embed"], ids, aux, teacher, weights, J, decay,
-                                        counted)
+                                        counted, compute_dtype=cd)
         return losses, accs, jnp.sum(counted)
 
     losses, accs = [], []
