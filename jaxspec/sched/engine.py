@@ -202,6 +202,8 @@ class Engine:
         if self.failure is not None:
             raise RuntimeError(f"the engine loop stopped after an error: {self.failure!r}")
         self.validate_request(prompt_token_ids, params)
+        # The completions share their constraint's automaton (compiled by validate_request: a cache hit here).
+        grammar = self.compile_structured(params.structured_outputs) if params.structured_outputs is not None else None
         eos = tuple(self.tokenizer.eos_token_ids) if self.tokenizer is not None else tuple(
             self.model.config.eos_token_ids)
         with self._intake_lock:
@@ -218,8 +220,7 @@ class Engine:
                 req.min_tokens_stop_ids = stop_ids[:MAX_STOP_IDS] if sp.min_tokens else []
                 req.row_ints, req.row_floats = request_values(req, self.model.config.vocab_size)
                 req.step_variant = StepVariant.of(sp)
-                if sp.structured_outputs is not None:
-                    req.grammar = self.compile_structured(sp.structured_outputs)   # cached by validate_request
+                req.grammar = grammar
                 if outputs is not None:
                     req.outputs, req.stream_text = outputs, True
                 if group and self.blocks.enable_prefix_caching:
