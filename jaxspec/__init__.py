@@ -4,6 +4,7 @@ from jaxspec.models.loader import load_model
 from jaxspec.sampling_params import SamplingParams
 from jaxspec.sched.output import RequestOutput
 from jaxspec.spec import SpeculativeConfig
+from jaxspec.structured import StructuredOutputsParams
 
 
 
@@ -13,5 +14,5 @@ def train_eagle3(model, out_dir, **kwargs):
     return train(model, out_dir, **kwargs)
 
 
-__all__ = ["train_eagle3", "LLM", "SamplingParams", "SpeculativeConfig", "RequestOutput", "generate", "load_model"]
+__all__ = ["train_eagle3", "LLM", "SamplingParams", "SpeculativeConfig", "StructuredOutputsParams", "RequestOutput", "generate", "load_model"]
 __version__ = "0.1.0"

@@ -33,6 +33,9 @@ def add_engine_args(p: argparse.ArgumentParser):
                    help='JSON, e.g. \'{"method": "eagle3", "model": "path/to/head", "num_speculative_tokens": 3}\'')
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="devices to split the model over")
+    p.add_argument("--structured-compile-timeout", type=float, default=30.0,
+                   help="seconds one request's structured-outputs constraint (JSON schema, regex, choice) may take "
+                        "to compile before the request is refused")
 
 
 def engine_kwargs(args) -> dict:
@@ -41,7 +44,8 @@ def engine_kwargs(args) -> dict:
                 num_kv_blocks=args.num_kv_blocks, kv_memory_fraction=args.kv_memory_fraction,
                 async_scheduling=args.async_scheduling, enable_prefix_caching=args.enable_prefix_caching,
                 speculative_config=args.speculative_config, seed=args.seed,
-                tensor_parallel_size=args.tensor_parallel_size)
+                tensor_parallel_size=args.tensor_parallel_size,
+                structured_compile_timeout=args.structured_compile_timeout)
 
 
 def serve(argv: list[str]):

@@ -5,6 +5,8 @@ import dataclasses
 import math
 import numbers
 
+from jaxspec.structured.params import StructuredOutputsParams
+
 MAX_LOGPROBS = 20  # top-n logprobs the step can return per token
 MAX_STOP_TOKEN_IDS = 8
 INT32_MAX = 2**31 - 1  # per-request integers travel to the device as int32
@@ -28,8 +30,11 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None
+    # The output must match a JSON schema, a regex or one of some choices (applied on the device, each step).
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self):
+        self.structured_outputs = StructuredOutputsParams.coerce(self.structured_outputs)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -92,3 +97,7 @@ class SamplingParams:
         self.stop_token_ids = [int(t) for t in ids]
         if not all(isinstance(x, str) and x for x in self.stop):
             bad("stop", "stop strings must be non-empty strings")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                bad("structured_outputs", "give a StructuredOutputsParams (or a dict of its fields) or None")
+            self.structured_outputs.validate()

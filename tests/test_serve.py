@@ -191,3 +191,39 @@ def test_bench_drives_the_server(server):
                   "--max-concurrency", "2", "--request-rate", "20", "--quiet"])
     assert res["requests"] == 4 and res["output_tokens"] == 20 and res["input_tokens"] == 4 * 8
     assert res["ttft_ms"]["median"] > 0 and res["itl_ms"]["median"] > 0
+
+
+ANSWER_SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                                  "sunny": {"type": "boolean"}}, "required": ["city", "sunny"]}
+
+
+def test_response_format_json_schema_and_structured_outputs(client):
+    """OpenAI's response_format with a JSON schema, and vLLM's structured_outputs extra body (choice, regex): the
+    answers are what was asked for (SmolLM2 answers in prose otherwise)."""
+    import json
+    import re
+
+    import jsonschema
+    messages = [{"role": "user", "content": "What is the weather in Paris? Answer in JSON."}]
+    out = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=40, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "weather", "schema": ANSWER_SCHEMA}})
+    jsonschema.validate(json.loads(out.choices[0].message.content), ANSWER_SCHEMA)
+    assert out.choices[0].finish_reason == "stop"
+    choice = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0,
+                                            extra_body={"structured_outputs": {"choice": ["rainy", "sunny"]}})
+    assert choice.choices[0].message.content in ("rainy", "sunny")
+    code = client.completions.create(model=MODEL, prompt="A postal code:", max_tokens=8, temperature=0,
+                                     extra_body={"structured_outputs": {"regex": "[0-9]{5}"}})
+    assert re.fullmatch("[0-9]{5}", code.choices[0].text)
+
+
+def test_a_schema_that_cannot_compile_is_a_400_and_the_server_keeps_serving(client):
+    messages = [{"role": "user", "content": "Hi"}]
+    with pytest.raises(openai.BadRequestError, match="Unsupported type: colour"):
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, response_format={
+            "type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "colour"}}})
+    for bad, field in [({"regex": "(unclosed"}, "regex"), ({"choice": []}, "choice"), ({"jsn": {}}, "unknown keys")]:
+        with pytest.raises(openai.BadRequestError, match=field):
+            client.completions.create(model=MODEL, prompt="hi", max_tokens=4, extra_body={"structured_outputs": bad})
+    assert client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2).choices[0].message.content

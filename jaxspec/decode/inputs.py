@@ -45,6 +45,8 @@ ROW_FIELDS = {
     "first_token": Field(np.int32, 0),          # index in T of the row's first token
     "sample": Field(np.int32, 0),               # 1: the row emits tokens
     "new_slot": Field(np.int32, 0),             # 1: the request's first step in this slot (its state is stale)
+    "grammar_base": Field(np.int32, -1),        # its automaton's first state in the grammar table; -1: none
+    "grammar_init": Field(np.int32, -1),        # prefill rows: the automaton state after the outputs so far
     # fixed for the request's life
     "prompt_len": Field(np.int32, 0, lambda r, v: len(r.prompt_token_ids)),
     "seed": Field(np.int32, 0, _seed_word(0)),

@@ -65,6 +65,7 @@ class ModelRunner:
         self.max_rows = max(max_rows, MIN_TOKEN_BUCKET)
         self._steps: dict[tuple[int, StepVariant], object] = {}
         self.last_inputs: dict[int, tuple[StepVariant, jax.Array]] = {}
+        self._last_grammar: dict[int, object] = {}   # the grammar table each bucket's last live step read
         self.issue_seconds: collections.deque[float] = collections.deque(maxlen=4096)
         self.last_run_compiled = False   # the last `run` compiled its step (its time is no measure of the step)
 
@@ -91,8 +92,9 @@ class ModelRunner:
                                                        self.ops.compiler_options(T))
         return fn
 
-    def run(self, inputs: StepInputs, variant: StepVariant) -> dict:
-        """Copies the inputs over, issues the step, starts copying its outputs back (device arrays)."""
+    def run(self, inputs: StepInputs, variant: StepVariant, grammar_table=None) -> dict:
+        """Copies the inputs over, issues the step, starts copying its outputs back (device arrays). A grammar
+        variant also reads `grammar_table` (jaxspec.decode.grammar.GrammarTable, already on the device)."""
         t0 = time.perf_counter()
         T = inputs.token_matrix.shape[1]
         self.last_run_compiled = (T, variant) not in self._steps
@@ -100,10 +102,12 @@ class ModelRunner:
         # the transfer may read host memory after this call returns (even with may_alias=False), so a
         # reused staging buffer would need double-buffering.
         buf = jax.device_put(inputs.pack(), self.input_sharding, may_alias=False)
-        self.state, out = self.step_fn(T, variant)(self.params, self.drafter_params, self.state, buf)
+        self.state, out = self.step_fn(T, variant)(self.params, self.drafter_params, self.state, buf,
+                                                   *self._grammar_args(variant, grammar_table))
         for array in out.values():
             array.copy_to_host_async()
         self.last_inputs[T] = (variant, buf)
+        self._last_grammar[T] = grammar_table
         self.issue_seconds.append(time.perf_counter() - t0)
         return out
 
@@ -120,8 +124,18 @@ class ModelRunner:
         """Runs bucket T's last live inputs again (benchmarks: the device time of a real step). Each replay
         advances the same rows by one more token; abort those requests afterwards."""
         variant, buf = self.last_inputs[T]
-        self.state, out = self.step_fn(T, variant)(self.params, self.drafter_params, self.state, buf)
+        self.state, out = self.step_fn(T, variant)(self.params, self.drafter_params, self.state, buf,
+                                                   *self._grammar_args(variant, self._last_grammar.get(T)))
         return out
+
+    @staticmethod
+    def _grammar_args(variant: StepVariant, grammar_table) -> tuple:
+        """Only grammar variants take the table: a new table shape recompiles those steps alone."""
+        if not variant.grammar:
+            return ()
+        if grammar_table is None:
+            raise ValueError("a grammar step variant needs the grammar table")
+        return (grammar_table,)
 
     def warmup(self, variants):
         """Compiles the step for every token bucket and these variants (all-padding inputs touch only the
@@ -130,6 +144,7 @@ class ModelRunner:
         for T, variant in tqdm(todo, desc="compiling steps", leave=False):
             self.run(self.new_inputs(T), variant)
         self.last_inputs.clear()
+        self._last_grammar.clear()
         self.issue_seconds.clear()
         jax.block_until_ready(self.state.num_tokens)
 

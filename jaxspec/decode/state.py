@@ -47,6 +47,7 @@ class DecodeState:
     num_tokens: Any       # i32[slots+1]  tokens in `history` (authoritative)
     num_computed: Any     # i32[slots+1]  tokens whose KV is written (authoritative)
     drafts: Any           # i32[slots+1, max(k,1)]  drafts the next step verifies
+    grammar_state: Any    # i32[slots+1]  structured outputs: the automaton state after the slot's last token
     drafter: Any = None   # the drafter's own declared state (its KV pages, features), or None
 
 
@@ -57,7 +58,8 @@ def state_schema(decoder, sc: StepConfig) -> dict:
             "history": Spec((n, sc.history_len), ("slots", "seq"), "zeros", jnp.int32),
             "num_tokens": Spec((n,), ("slots",), "zeros", jnp.int32),
             "num_computed": Spec((n,), ("slots",), "zeros", jnp.int32),
-            "drafts": Spec((n, max(sc.num_speculative_tokens, 1)), ("slots", "draft"), -1, jnp.int32)}
+            "drafts": Spec((n, max(sc.num_speculative_tokens, 1)), ("slots", "draft"), -1, jnp.int32),
+            "grammar_state": Spec((n,), ("slots",), -1, jnp.int32)}
 
 
 def init_state(decoder, sc: StepConfig, dtype, drafter_schema=None) -> DecodeState:

@@ -2,10 +2,13 @@
 
     tokens    <- the device's own counts: ids, positions and KV slots of the scheduled tokens
     forward   <- the target over prefill chunks, decode tokens and the drafts to verify
-    logprobs  <- the processed distribution at each row's last real token and at every draft
+    grammar   <- structured outputs: each row's automaton state at each verified position (after the drafts
+                 before it) and the tokens it allows there
+    logprobs  <- the processed distribution at each row's last real token and at every draft (grammar-masked)
     emitted   <- sampled, or the drafts verified by rejection sampling
-    state     <- committed: accepted counts, history, per-slot layer state
-    drafts    <- the drafter proposes the next k per row
+    state     <- committed: accepted counts, history, per-slot layer state, the automaton state after the
+                 emitted tokens (accepted drafts and the correction or bonus, never a rejected draft)
+    drafts    <- the drafter proposes the next k per row (inside the grammar, for drafters that have logits)
 
 Positions, input ids and the KV slot mapping come from the device's own counts, so the host can plan a step
 before it knows the previous step's accepted tokens. The step never branches on device data (on a GPU each
@@ -27,6 +30,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxspec.decode import grammar as grammar_lib
 from jaxspec.decode import sampling
 from jaxspec.decode.inputs import DeviceInputs, unpack
 from jaxspec.decode.rejection import rejection_sample
@@ -43,6 +47,7 @@ class StepVariant:
     top_k_top_p: bool = False   # some random row truncates by top-k or top-p (a vocabulary sort)
     penalties: bool = False     # some row has presence / frequency / repetition penalties
     logprobs: bool = False      # some row asks for logprobs
+    grammar: bool = False       # some row's output is constrained (structured outputs): reads the automata table
     drafts: int | None = None   # draft width (verified and proposed per row); None: StepConfig's K
 
     @staticmethod
@@ -52,12 +57,12 @@ class StepVariant:
         return StepVariant(
             sample=random, top_k_top_p=random and (p.top_k > 0 or p.top_p < 1.0),
             penalties=p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1,
-            logprobs=p.logprobs is not None)
+            logprobs=p.logprobs is not None, grammar=p.structured_outputs is not None)
 
     @staticmethod
     def union(variants) -> "StepVariant":
         """The variant covering all of these (a step's, from the rows that sample in it)."""
-        names = ("sample", "top_k_top_p", "penalties", "logprobs")
+        names = ("sample", "top_k_top_p", "penalties", "logprobs", "grammar")
         variants = list(variants)
         return StepVariant(**{n: any(getattr(v, n) for v in variants) for n in names})
 
@@ -99,22 +104,27 @@ class DraftContext:
     sampling: sampling.SamplingTensors
     keys: Any                  # [R, K] PRNG keys of the draft positions, for drafts drawn by sampling
     variant: StepVariant = StepVariant()
+    grammar: Any = None        # grammar.DraftGrammar when some row is constrained: propose inside the grammar
 
 
 def step(target, drafter, sc: StepConfig, variant: StepVariant, params, drafter_params, state: DecodeState,
-         inp: DeviceInputs):
+         inp: DeviceInputs, grammar_table=None):
     K, V = variant.draft_width(sc), target.config.vocab_size
     tok = tokens_from_state(sc, K, state, inp, V)
     aux_layers = drafter.aux_layers if drafter is not None else ()
     logits, hidden, aux, layers, slot_updates = target.forward(params, state.layers, tok.batch, aux_layers)
     raw_logits = logits.reshape(-1, K + 1, V)                                               # [R, K+1, V]
     st = sampling_tensors(inp)
-    logprobs = target_distributions(variant, raw_logits, tok, inp, st)                      # [R, K+1, V]
+    positions = grammar_positions(grammar_table, state, tok, inp, V) if variant.grammar else None
+    logprobs = target_distributions(variant, raw_logits, tok, inp, st, positions)          # [R, K+1, V]
     keys = position_keys(inp, tok.base, K + 1)                                              # [R, K+1]
     emitted, num_accepted = sample_or_verify(variant, logprobs, st, tok.draft_ids, inp.rows["num_drafts"],
                                              draft_logprobs(state, tok.slot, drafter, K), keys)
     state, emitted, num_accepted, num_tokens, last_final = commit(
         target, sc, K, state, tok, inp, emitted, num_accepted, layers, slot_updates)
+    draft_grammar = None
+    if variant.grammar:
+        state, draft_grammar = commit_grammar(grammar_table, state, tok, inp, positions, emitted, num_accepted)
     if drafter is not None:
         ctx = DraftContext(ops=target.ops, num_speculative_tokens=K, cache=sc.cache_shape, target_params=params,
                            batch=tok.batch, token_valid=tok.valid, hidden=hidden, aux_hidden=aux,
@@ -122,7 +132,8 @@ def step(target, drafter, sc: StepConfig, variant: StepVariant, params, drafter_
                            emitted=emitted, num_accepted=num_accepted, sample_rows=inp.rows["sample"] > 0,
                            new_slot=inp.rows["new_slot"] > 0,
                            first_token=inp.rows["first_token"], sampling=st,
-                           keys=position_keys(inp, num_tokens, K, fold=2) if K else None, variant=variant)
+                           keys=position_keys(inp, num_tokens, K, fold=2) if K else None, variant=variant,
+                           grammar=draft_grammar)
         drafter_state, drafts = drafter.propose(drafter_params, state.drafter, ctx)   # K = 0: its state only
         state = state.replace(drafter=drafter_state)
         if K:   # a narrower step writes the first K of the slot's drafts
@@ -170,20 +181,26 @@ def sampling_tensors(inp: DeviceInputs) -> sampling.SamplingTensors:
         repetition_penalty=r["repetition_penalty"])
 
 
-def target_distributions(variant: StepVariant, logits, tok: Tokens, inp: DeviceInputs, st):
-    """logits [R, K+1, V] -> what rows sample from: penalties, then min_tokens (stop ids masked while the
-    output is shorter), then temperature / top-k / top-p / min-p. All-greedy steps keep the logits (their
-    argmax is all that is needed)."""
+def target_distributions(variant: StepVariant, logits, tok: Tokens, inp: DeviceInputs, st, grammar=None):
+    """logits [R, K+1, V] -> what rows sample from: penalties, then the grammar (tokens its automaton state
+    does not allow at that position masked), then min_tokens (stop ids masked while the output is shorter; not
+    where the grammar allows nothing else), then temperature / top-k / top-p / min-p. All-greedy steps keep
+    the logits (their argmax is all that is needed)."""
     R, K1, V = logits.shape
     prompt_len = inp.rows["prompt_len"]
     if variant.penalties:
         logits = _penalize(logits, tok.history, tok.slot, prompt_len, tok.base, tok.draft_ids, st, V)
+    if grammar is not None:
+        logits = grammar_lib.constrain(logits, grammar.allowed)
     generated = tok.base[:, None] + jnp.arange(K1)[None, :] - prompt_len[:, None]            # [R, K+1]
     too_short = generated < inp.rows["min_tokens"][:, None]
     stop_ok = (inp.stop_ids >= 0) & (inp.stop_ids < V)
     stop_hit = jnp.zeros((R, V), bool).at[jnp.arange(R)[:, None], jnp.where(stop_ok, inp.stop_ids, V)].set(
         True, mode="drop")
-    logits = jnp.where(too_short[..., None] & stop_hit[:, None, :], -jnp.inf, logits)
+    blocked = too_short[..., None] & stop_hit[:, None, :]
+    if grammar is not None:   # a final state may allow only EOS: the grammar wins over min_tokens
+        blocked &= jnp.any(jnp.isfinite(logits) & ~blocked, axis=-1, keepdims=True)
+    logits = jnp.where(blocked, -jnp.inf, logits)
     if not variant.sample:
         return logits
     idx = jnp.repeat(jnp.arange(R), K1)
@@ -208,6 +225,41 @@ def _penalize(logits, history, slot, prompt_len, base, draft_ids, st, vocab_size
     out = sampling.apply_penalties(logits.reshape(R * K1, V), counts.reshape(R * K1, V), prompt_mask[idx],
                                    st.take(idx))
     return out.reshape(R, K1, V)
+
+
+class GrammarPositions(NamedTuple):
+    """Structured outputs at this step's verified positions."""
+    table: grammar_lib.GrammarTable
+    base: Any       # i32[R] the row's automaton in the table (-1: unconstrained)
+    states: Any     # i32[R, K+1] its state at position j: after the row's tokens and the drafts before j
+    allowed: Any    # bool[R, K+1, V] the tokens that state allows
+
+
+def grammar_positions(table, state: DecodeState, tok: Tokens, inp: DeviceInputs, vocab_size: int) -> GrammarPositions:
+    """A prefill row starts from the state the host walked its outputs to (grammar_init: the initial state, or
+    where a preempted request had got to); a decode row from its slot's state. Drafts move it along; a draft
+    outside the grammar leads to no state (-1), and since that draft is masked at its own position it is
+    rejected, so no position after it is emitted."""
+    rows = inp.rows
+    base = rows["grammar_base"]
+    start = jnp.where(rows["start"] >= 0, rows["grammar_init"], state.grammar_state[tok.slot])       # [R]
+    states = grammar_lib.states_along(table, base, start, tok.draft_ids)                             # [R, K+1]
+    R, K1 = states.shape
+    allowed = grammar_lib.allowed_tokens(table, jnp.repeat(base, K1), states.reshape(-1), vocab_size)
+    return GrammarPositions(table, base, states, allowed.reshape(R, K1, vocab_size))
+
+
+def commit_grammar(table, state: DecodeState, tok: Tokens, inp: DeviceInputs, positions: GrammarPositions, emitted,
+                   num_accepted):
+    """Each sampling row's slot keeps the state after its emitted tokens: the state at its last accepted
+    position, advanced by the token emitted there. -> (state, DraftGrammar for the drafter)."""
+    sample_rows = inp.rows["sample"] > 0
+    at = num_accepted[:, None]
+    reached = jnp.take_along_axis(positions.states, at, axis=1)[:, 0]
+    after = grammar_lib.advance(table, positions.base, reached, jnp.take_along_axis(emitted, at, axis=1)[:, 0])
+    where = jnp.where(sample_rows, tok.slot, state.grammar_state.shape[0])
+    state = state.replace(grammar_state=state.grammar_state.at[where].set(after, mode="drop"))
+    return state, grammar_lib.DraftGrammar(table, positions.base, after)
 
 
 def position_keys(inp: DeviceInputs, first_position, n: int, fold: int | None = None):
@@ -282,11 +334,12 @@ def outputs(variant: StepVariant, raw_logits, emitted, num_accepted) -> dict:
 
 def make_step(target, drafter, sc: StepConfig, num_tokens: int, num_rows: int, variant: StepVariant = StepVariant(),
               out_shardings=None, compiler_options: dict | None = None):
-    """The jitted step of one bucket and variant, taking the packed host buffer; the state is donated (the KV
-    pool is updated in place). `out_shardings`: (the state's, the outputs') under tensor parallelism;
-    `compiler_options`: XLA options for this bucket's compile (Ops.compiler_options)."""
-    def packed_step(params, drafter_params, state, buf):
+    """The jitted step of one bucket and variant, taking the packed host buffer (and, for a grammar variant,
+    the automata table); the state is donated (the KV pool is updated in place). `out_shardings`: (the state's,
+    the outputs') under tensor parallelism; `compiler_options`: XLA options for this bucket's compile
+    (Ops.compiler_options)."""
+    def packed_step(params, drafter_params, state, buf, grammar_table=None):
         inp = unpack(buf, num_tokens, num_rows, sc.max_blocks_per_seq)
-        return step(target, drafter, sc, variant, params, drafter_params, state, inp)
+        return step(target, drafter, sc, variant, params, drafter_params, state, inp, grammar_table)
     return jax.jit(packed_step, donate_argnums=(2,), out_shardings=out_shardings,
                    compiler_options=compiler_options or None)

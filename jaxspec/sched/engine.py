@@ -34,9 +34,13 @@ from jaxspec.sched.block_manager import BlockManager
 from jaxspec.sched.output import append_tokens, take_delta
 from jaxspec.sched.request import Request, Status
 from jaxspec.sched.scheduler import ScheduledRow, Scheduler
+from jaxspec.structured.compiler import GrammarCompiler, TokenAutomaton
+from jaxspec.structured.params import StructuredOutputsParams
+from jaxspec.structured.table import GrammarTables
 
 # The step's per-step row ints, in the order `_dispatch` writes them (decode/inputs.py declares them).
-assert STEP_INT_ROWS == ["slot", "num_new", "start", "num_drafts", "first_token", "sample", "new_slot"]
+assert STEP_INT_ROWS == ["slot", "num_new", "start", "num_drafts", "first_token", "sample", "new_slot", "grammar_base",
+                         "grammar_init"]
 
 # Compiled for every bucket at warm-up: greedy rows only, and rows that sample (no top-k/top-p, penalties
 # or logprobs). Other variants compile the first time a step needs them (counted in stats()["recompiles"]).
@@ -59,6 +63,7 @@ class EngineConfig:
     attention: str = "auto"           # "pallas" (reads KV pages in place) or "reference" (jnp gather)
     unroll_layers: bool | None = None  # layers unrolled (stacked weights indexed statically) or scanned
     tensor_parallel_size: int = 1     # devices the model is split over (nn/sharding.py)
+    structured_compile_timeout: float = 30.0   # seconds one request's structured-outputs constraint may compile
 
     def validate(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
@@ -70,6 +75,9 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks={self.num_kv_blocks} is invalid; it must be >= 1")
         if self.kv_memory_fraction is not None and not 0 < self.kv_memory_fraction < 1:
             raise ValueError(f"kv_memory_fraction={self.kv_memory_fraction} is invalid; it must be in (0, 1)")
+        if not (isinstance(self.structured_compile_timeout, (int, float)) and self.structured_compile_timeout > 0):
+            raise ValueError(f"structured_compile_timeout={self.structured_compile_timeout!r} is invalid; it must be "
+                             "a number of seconds > 0")
         if self.attention not in ("auto", "pallas", "reference"):
             raise ValueError(f"attention={self.attention!r} is invalid; choose 'auto', 'pallas' or 'reference'")
 
@@ -122,6 +130,11 @@ class Engine:
             "does not hold (the state at the prefix's end is not saved), so reusing cached blocks would not be exact")
         self.blocks = BlockManager(num_blocks, config.block_size, config.max_num_seqs, enable_prefix_caching=caching,
                                    key_overlap=int(drafter is not None and drafter.kv_reads_next_token))
+        # Structured outputs: constraints compiled on first use (jaxspec.structured), and the device table of the
+        # automata running requests use.
+        self.grammar_compiler: GrammarCompiler | None = None
+        self._grammar_compiler_lock = threading.Lock()
+        self.grammar_tables = GrammarTables(mc.vocab_size, self.runner.input_sharding)
         self.scheduler = Scheduler(self.blocks, self.step_config, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    draft_lookahead=drafter is not None and drafter.needs_kv_lookahead)
@@ -189,6 +202,8 @@ class Engine:
         if self.failure is not None:
             raise RuntimeError(f"the engine loop stopped after an error: {self.failure!r}")
         self.validate_request(prompt_token_ids, params)
+        # The completions share their constraint's automaton (compiled by validate_request: a cache hit here).
+        grammar = self.compile_structured(params.structured_outputs) if params.structured_outputs is not None else None
         eos = tuple(self.tokenizer.eos_token_ids) if self.tokenizer is not None else tuple(
             self.model.config.eos_token_ids)
         with self._intake_lock:
@@ -205,6 +220,7 @@ class Engine:
                 req.min_tokens_stop_ids = stop_ids[:MAX_STOP_IDS] if sp.min_tokens else []
                 req.row_ints, req.row_floats = request_values(req, self.model.config.vocab_size)
                 req.step_variant = StepVariant.of(sp)
+                req.grammar = grammar
                 if outputs is not None:
                     req.outputs, req.stream_text = outputs, True
                 if group and self.blocks.enable_prefix_caching:
@@ -236,6 +252,8 @@ class Engine:
             for req in group:
                 self.requests[req.request_id] = req
                 self.scheduler.add(req)
+                if req.grammar is not None:
+                    self.grammar_tables.acquire(req.grammar)
             if len(group) > 1:
                 self.groups[request_id] = group
 
@@ -262,6 +280,8 @@ class Engine:
         bad = [t for t in params.stop_token_ids if not 0 <= t < v]
         if bad:
             raise ValueError(f"SamplingParams.stop_token_ids has ids {bad[:5]} outside the vocabulary [0, {v})")
+        if params.structured_outputs is not None:
+            self.compile_structured(params.structured_outputs)
         if n + max(1, params.min_tokens) > sc.max_model_len:
             raise ValueError(f"the prompt has {n} tokens and min_tokens={params.min_tokens}: more than "
                              f"max_model_len={sc.max_model_len} allows (prompt + max(1, min_tokens) <= max_model_len)")
@@ -272,6 +292,16 @@ class Engine:
             raise ValueError(f"the prompt has {n} tokens and max_tokens={params.max_tokens}: that can never fit the "
                              f"KV pool of {self.blocks.num_blocks} blocks x {sc.block_size} tokens; raise "
                              f"num_kv_blocks or lower max_tokens")
+
+    def compile_structured(self, params: StructuredOutputsParams) -> TokenAutomaton:
+        """The constraint's token automaton: compiled once (on a worker thread, within the per-request limit
+        `structured_compile_timeout`) and cached. A ValueError says why a constraint cannot be used. Thread-safe:
+        a server compiles here before it queues the request, off its event loop and off the engine loop."""
+        with self._grammar_compiler_lock:
+            if self.grammar_compiler is None:
+                self.grammar_compiler = GrammarCompiler(self.tokenizer, self.model.config.vocab_size,
+                                                        self.config.structured_compile_timeout)
+        return self.grammar_compiler.compile(params)
 
     def abort(self, request_id: str):
         """Ends the request (or every completion of a group) with finish_reason "abort": at once when the
@@ -293,6 +323,8 @@ class Engine:
             self._publish(reqs)
 
     def _forget(self, req: Request):
+        if req.grammar is not None and self.requests.get(req.request_id) is req:
+            self.grammar_tables.release(req.grammar)
         self.requests.pop(req.request_id, None)
         if req.parent_id is not None and all(r.finished for r in self.groups.get(req.parent_id, ())):
             self.groups.pop(req.parent_id, None)
@@ -350,7 +382,8 @@ class Engine:
         inp.tokens["row"][:num_tokens] = np.repeat(np.arange(n), counts)
         inp.tokens["offset"][:num_tokens] = np.arange(num_tokens) - np.repeat(first, counts)
         inp.write_rows(np.array([(row.request.slot, row.num_new, row.start, row.num_drafts, f, row.sample,
-                                  row.new_slot) for row, f in zip(rows, first.tolist())], np.int32),
+                                  row.new_slot, *self._grammar_row(row)) for row, f in zip(rows, first.tolist())],
+                                np.int32),
                        np.array([row.request.row_ints for row in rows], np.int32),
                        np.array([row.request.row_floats for row in rows], np.float32))
         for r, row in enumerate(rows):
@@ -367,8 +400,9 @@ class Engine:
         width, proposed = self._draft_width(rows, index)
         if width != self.step_config.num_speculative_tokens:
             variant = dataclasses.replace(variant, drafts=width)
+        grammar_table = self.grammar_tables.device_table() if variant.grammar else None
         t1 = time.perf_counter()
-        out = self.runner.run(inp, variant)
+        out = self.runner.run(inp, variant, grammar_table)
         if timings is not None:
             timings["build"] = timings.get("build", 0.0) + t1 - t0
             timings["issue"] = timings.get("issue", 0.0) + time.perf_counter() - t1
@@ -377,6 +411,16 @@ class Engine:
         self.counters["scheduled_tokens"] += num_tokens
         self.counters["padded_tokens"] += T
         return _InFlight(rows, out, variant.logprobs, index, width, T, t1, self.runner.last_run_compiled, proposed)
+
+    def _grammar_row(self, row: ScheduledRow) -> tuple[int, int]:
+        """(grammar_base, grammar_init) of a row: where its automaton sits in the table (-1: unconstrained)
+        and, for the prefill row that emits its first token, the state its outputs so far lead to (the initial
+        state, or after a preemption the state the device had reached: every output is confirmed by then)."""
+        req = row.request
+        if req.grammar is None:
+            return -1, -1
+        init = req.grammar.walk(req.output_token_ids) if row.start >= 0 and row.sample else -1
+        return self.grammar_tables.base(req.grammar), init
 
     def _draft_width(self, rows: list[ScheduledRow], index: int) -> tuple[int, int]:
         """-> (the step's draft width, the k it proposes for its sampling rows). k is K, or the chooser's pick
@@ -570,6 +614,8 @@ class Engine:
             "free_kv_blocks": self.blocks.num_free_blocks,
             "prefix_cache": {**self.blocks.stats(), "disabled_reason": self.prefix_cache_disabled_reason},
             "async_scheduling": self.config.async_scheduling,
+            "structured_outputs": {**self.grammar_tables.stats(), "compiled": (
+                len(self.grammar_compiler) if self.grammar_compiler is not None else 0)},
         }
         k = self.step_config.num_speculative_tokens
         if k:

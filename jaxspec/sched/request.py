@@ -29,6 +29,7 @@ class Request:
     row_ints: tuple = ()            # its fixed per-row step inputs (decode/inputs.py ROW_FIELDS), ints
     row_floats: tuple = ()          # ... and floats
     step_variant: Any = None        # decode.step.StepVariant: what this request needs of a compiled step
+    grammar: Any = None             # structured outputs: its compiled TokenAutomaton (jaxspec.structured)
     arrival_time: float = dataclasses.field(default_factory=time.perf_counter)
 
     status: Status = Status.WAITING

@@ -119,6 +119,16 @@ class Server:
                                 f"the request asks for {prompt_len + max_tokens}: {prompt_len} in the prompt and "
                                 f"max_tokens={max_tokens}", param="max_tokens")
 
+    async def compile_constraint(self, params):
+        """Compiles the request's structured-outputs constraint (cached after the first time) on a worker thread:
+        the event loop keeps serving meanwhile. One that cannot be compiled, or not in time, is a 400."""
+        if params.structured_outputs is None:
+            return
+        try:
+            await asyncio.to_thread(self.llm.engine.compile_structured, params.structured_outputs)
+        except ValueError as e:
+            raise APIError(400, str(e), param="response_format") from None
+
     def token_text(self, token_id: int) -> str:
         tok = self.llm.tokenizer
         return tok.decode([token_id]) if tok is not None else str(token_id)
@@ -154,6 +164,7 @@ class Server:
             params = body.sampling_params(body.max_tokens, self.max_model_len - encoded_len, body.logprobs)
         except ValueError as e:
             raise APIError(400, str(e)) from None
+        await self.compile_constraint(params)
         job = Completions(self, prompts, params, http)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
@@ -200,6 +211,7 @@ class Server:
             params = body.sampling_params(max_tokens, self.max_model_len - prompt_len, logprobs)
         except ValueError as e:
             raise APIError(400, str(e)) from None
+        await self.compile_constraint(params)
         job = Completions(self, [conversation], params, http)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 

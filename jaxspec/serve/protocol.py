@@ -10,10 +10,25 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from jaxspec.sampling_params import SamplingParams
+from jaxspec.structured import StructuredOutputsParams
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`: plain text, any JSON object, or JSON that a schema validates."""
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class _Sampling(BaseModel):
@@ -36,6 +51,23 @@ class _Sampling(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None   # vLLM's extra body: json, regex, choice, json_object, ...
+
+    def structured(self) -> StructuredOutputsParams | None:
+        """The output constraint `response_format` or `structured_outputs` asks for (a ValueError names a bad one)."""
+        fmt = self.response_format
+        if fmt is not None and fmt.type != "text" and self.structured_outputs is not None:
+            raise ValueError("the request has both response_format and structured_outputs; give one of them")
+        if self.structured_outputs is not None:
+            return StructuredOutputsParams.coerce(self.structured_outputs)
+        if fmt is None or fmt.type == "text":
+            return None
+        if fmt.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+            raise ValueError("response_format of type 'json_schema' needs json_schema.schema (the JSON schema)")
+        return StructuredOutputsParams(json=fmt.json_schema.schema_)
 
     def sampling_params(self, max_tokens: int | None, default_max_tokens: int, logprobs: int | None) -> SamplingParams:
         """SamplingParams (a ValueError names a bad field). Without max_tokens a request may run to the end of
@@ -46,7 +78,8 @@ class _Sampling(BaseModel):
             "repetition_penalty": self.repetition_penalty}.items() if v is not None}
         return SamplingParams(n=self.n, seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
                               max_tokens=max_tokens if max_tokens is not None else max(default_max_tokens, 1),
-                              min_tokens=self.min_tokens, ignore_eos=self.ignore_eos, logprobs=logprobs, **given)
+                              min_tokens=self.min_tokens, ignore_eos=self.ignore_eos, logprobs=logprobs,
+                              structured_outputs=self.structured(), **given)
 
 
 class CompletionRequest(_Sampling):

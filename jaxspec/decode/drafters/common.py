@@ -43,18 +43,33 @@ def one_token_batch(ids, positions, valid, block_tables, block_size: int, num_kv
                         first_token_of_row=rows)
 
 
-def pick_drafts(logits, ctx, j, draft_sampling: str):
+def pick_drafts(logits, ctx, j, draft_sampling: str, grammar_state=None):
     """Row-wise drafts from draft logits f32[R, V] at draft position j -> (i32[R], logprobs f32[R, V] or None).
 
     "argmax": the drafter's argmax (q is a point mass). "sample": a draw from the processed distribution
     (temperature, top-k/top-p/min-p of each row's request) with the key of draft position j; greedy rows
     take the argmax. The draw's log-probabilities are returned for the rejection sampler.
+    With structured outputs (ctx.grammar) the logits are first masked by each row's automaton state
+    `grammar_state` [R], as the target's are where it verifies: drafts stay inside the grammar and a sampled
+    draft's q is the masked distribution, so rejection sampling stays exact.
     """
+    if ctx.grammar is not None:
+        logits = ctx.grammar.constrain(logits, grammar_state)
     if draft_sampling == "argmax":
         return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
     logprobs = sampling.processed_logprobs(logits, ctx.sampling, ctx.variant.top_k_top_p)  # [R, V]
     keys = ctx.keys[:, j] if isinstance(j, int) else jax.lax.dynamic_index_in_dim(ctx.keys, j, axis=1, keepdims=False)
     return sampling.sample(logprobs, ctx.sampling.is_greedy, keys), logprobs
+
+
+def grammar_start(ctx, num_rows: int):
+    """Each row's automaton state where its first draft is proposed (zeros, unread, without a grammar)."""
+    return ctx.grammar.state if ctx.grammar is not None else jnp.zeros((num_rows,), jnp.int32)
+
+
+def grammar_next(ctx, state, draft):
+    """The automaton state after a draft (unchanged without a grammar)."""
+    return ctx.grammar.advance(state, draft) if ctx.grammar is not None else state
 
 
 def draft_loop(body, carry, k: int, unroll: bool):

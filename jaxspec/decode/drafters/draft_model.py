@@ -23,7 +23,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.decode.drafters.common import (
-    check_same_vocab, draft_logprobs_spec, draft_loop, kv_slots_for, one_token_batch, pick_drafts)
+    check_same_vocab, draft_logprobs_spec, draft_loop, grammar_next, grammar_start, kv_slots_for, one_token_batch,
+    pick_drafts)
 from jaxspec.nn.decoder import Decoder
 from jaxspec.nn.ops import ForwardBatch
 
@@ -56,7 +57,8 @@ class DraftModelDrafter:
         committed = model.commit(layers, updates, ctx.slot, last_final)
         if k == 0:   # a plain decoding step: the draft KV of its tokens only, for later steps that draft
             return dict(state, layers=committed), jnp.zeros((ctx.emitted.shape[0], 0), jnp.int32)
-        first, first_logprobs = pick_drafts(logits, ctx, 0, self.draft_sampling)
+        grammar_state = grammar_start(ctx, logits.shape[0])
+        first, first_logprobs = pick_drafts(logits, ctx, 0, self.draft_sampling, grammar_state)
         if k == 1:
             layers = committed
             drafts, logprobs = first[None], None if first_logprobs is None else first_logprobs[None]
@@ -66,16 +68,18 @@ class DraftModelDrafter:
             rows = jnp.arange(first.shape[0])
 
             def draft_one(carry, j):
-                layers, tok, pos = carry
+                layers, tok, pos, grammar_state = carry
                 batch = one_token_batch(tok, pos, ctx.sample_rows, ctx.batch.block_tables, ctx.ops.block_size, S,
                                         ctx.slot)
                 logits, _, _, layers, updates = model.forward(params, layers, batch)            # [R, V]
-                draft, logprobs = pick_drafts(logits, ctx, j + 1, self.draft_sampling)
-                return (model.commit(layers, updates, ctx.slot, rows), draft, pos + 1), (draft, logprobs)
+                draft, logprobs = pick_drafts(logits, ctx, j + 1, self.draft_sampling, grammar_state)
+                return ((model.commit(layers, updates, ctx.slot, rows), draft, pos + 1,
+                         grammar_next(ctx, grammar_state, draft)), (draft, logprobs))
 
             after_emitted = model.commit(layers, updates, ctx.slot, emitted_at)
-            (speculative, _, _), (rest, rest_logprobs) = draft_loop(
-                draft_one, (after_emitted, first, ctx.num_tokens), k - 1, ctx.ops.unroll)
+            (speculative, _, _, _), (rest, rest_logprobs) = draft_loop(
+                draft_one, (after_emitted, first, ctx.num_tokens, grammar_next(ctx, grammar_state, first)), k - 1,
+                ctx.ops.unroll)
             per_slot = model.per_slot_fields(ctx.cache)   # (b)'s pages are kept, its per-slot state is not
             layers = {kind: {name: committed[kind][name] if name in per_slot[kind] else speculative[kind][name]
                              for name in fields} for kind, fields in speculative.items()}

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.decode.drafters.common import (
-    draft_logprobs_spec, draft_loop, kv_slots_for, one_token_batch, pick_drafts)
+    draft_logprobs_spec, draft_loop, grammar_next, grammar_start, kv_slots_for, one_token_batch, pick_drafts)
 from jaxspec.models.config import ModelConfig
 from jaxspec.nn.eagle import EagleHead
 from jaxspec.nn.ops import ForwardBatch
@@ -80,14 +80,15 @@ class EagleDrafter:
         first_tok = jnp.take_along_axis(ctx.emitted, ctx.num_accepted[:, None], axis=1)[:, 0]  # [R]
 
         def draft_one(carry, j):
-            kv, feat, tok, pos = carry
+            kv, feat, tok, pos, grammar_state = carry
             batch = one_token_batch(tok, pos, ctx.sample_rows, b.block_tables, ops.block_size, S, ctx.slot)
             hidden, kv = head.forward(ops, params, tp, kv, tok, feat, batch)                    # [R, D]
-            draft, logprobs = pick_drafts(head.logits(params, tp, hidden), ctx, j, self.draft_sampling)
-            return (kv, hidden.astype(feat.dtype), draft, pos + 1), (draft, logprobs)
+            draft, logprobs = pick_drafts(head.logits(params, tp, hidden), ctx, j, self.draft_sampling, grammar_state)
+            return ((kv, hidden.astype(feat.dtype), draft, pos + 1, grammar_next(ctx, grammar_state, draft)),
+                    (draft, logprobs))
 
-        (kv, _, _, _), (drafts, logprobs) = draft_loop(
-            draft_one, (kv, last_feature, first_tok, last_pos), k, ops.unroll)
+        (kv, _, _, _, _), (drafts, logprobs) = draft_loop(
+            draft_one, (kv, last_feature, first_tok, last_pos, grammar_start(ctx, first_tok.shape[0])), k, ops.unroll)
         new_state = dict(state, layers={"attention": kv}, feature=saved)
         if self.draft_sampling == "sample":
             new_state["draft_logprobs"] = state["draft_logprobs"].at[ctx.slot, :k].set(jnp.swapaxes(logprobs, 0, 1))
