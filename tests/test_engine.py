@@ -241,11 +241,11 @@ def test_scribbling_host_buffers_after_dispatch(llm_async, llm_sync, reference, 
     busy = jax.jit(lambda x: (x @ x @ x @ x).sum())
     busy(busy_x).block_until_ready()
 
-    def scribbling_run(inputs, variant):
+    def scribbling_run(inputs, variant, *rest):
         # Keep the device busy (as step N is when the host dispatches step N+1 on a real accelerator),
         # so this step's input transfer queues behind it and a lazy transfer would see the garbage.
         busy(busy_x)
-        out = orig_run(inputs, variant)
+        out = orig_run(inputs, variant, *rest)
         for name in HOST_STAGING:
             buf = getattr(inputs, name)
             buf[...] = rng.integers(-3, 300, buf.shape) if buf.dtype.kind == "i" else rng.normal(size=buf.shape)

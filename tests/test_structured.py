@@ -255,6 +255,10 @@ def test_automaton_walks_and_the_table_grows_only_when_it_must(compiler, tokeniz
     assert set(a.allowed(a.walk(ids("maybe")))) == {2}     # a whole choice that nothing extends: EOS only
     assert 2 in a.allowed(a.walk(ids("yes"))) and byte_token[b" "] in a.allowed(a.walk(ids("yes")))
     assert 2 not in a.allowed(a.initial) and a.walk(ids("yes no")) == -1
+    any_object = compiler.compile(StructuredOutputsParams(json_object=True))
+    assert 2 in any_object.allowed(any_object.walk(ids('{"a": [1.5, null], "b": {"c": "d"}}')))
+    for text in ('{"a": {"b": {"c": 1}}}', '{"a": [{"b": 1}]}', "[1]"):   # nested too deep; not an object
+        assert any_object.walk(ids(text)) == -1, text
     tables = GrammarTables(VOCAB)
     b, c = compiler.compile(REGEX), compiler.compile(JSON)
     tables.acquire(a)

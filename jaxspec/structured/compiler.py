@@ -55,6 +55,9 @@ class TokenAutomaton:
         return len(self.token)
 
     def allowed(self, state: int) -> np.ndarray:
+        """The tokens state `state` allows, sorted (none for -1, outside the grammar)."""
+        if state < 0:
+            return self.token[:0]
         return self.token[self.first[state]:self.first[state] + self.count[state]]
 
     def next(self, state: int, token: int) -> int:
