@@ -112,14 +112,14 @@ def test_nested_qwen3_5_checkpoint_loads_the_same_params(hybrid_dirs, models, tm
 
 # ---- ragged steps straight through the decoder ------------------------------------------------------------
 
-BS, MB, SLOTS = 4, 8, 3          # block size, blocks per slot, request slots (+1 trash slot)
-CACHE = CacheShape(num_kv_slots=SLOTS * MB * BS, num_slots=SLOTS + 1)
+BS, MB, SLOTS, K_SPEC = 4, 8, 3, 3   # block size, blocks per slot, request slots (+1 trash slot), drafts per step
+CACHE = CacheShape(num_kv_slots=SLOTS * MB * BS, num_slots=SLOTS + 1, num_speculative_tokens=K_SPEC)
 
 
-def ragged_batch(rows, num_tokens: int = 16) -> tuple[ForwardBatch, np.ndarray]:
+def ragged_batch(rows, num_tokens: int = 16) -> ForwardBatch:
     """rows: [(slot, start position, token ids)], each row's tokens contiguous, then padding (a row on the trash
-    slot that writes no KV) -> (batch with logits at every token, index of each real row's last token)."""
-    ids, pos, kv, row_of, first, slot_of, last = [], [], [], [], [], [], []
+    slot that writes no KV and no per-slot state) -> a batch with logits at every token."""
+    ids, pos, kv, row_of, first, slot_of = [], [], [], [], [], []
     for r, (slot, start, tokens) in enumerate(rows):
         first.append(len(ids))
         slot_of.append(slot)
@@ -128,8 +128,7 @@ def ragged_batch(rows, num_tokens: int = 16) -> tuple[ForwardBatch, np.ndarray]:
             pos.append(start + j)
             kv.append(slot * MB * BS + start + j)
             row_of.append(r)
-        last.append(len(ids) - 1)
-    pad = num_tokens - len(ids)
+    real, pad = len(ids), num_tokens - len(ids)
     first.append(len(ids))
     slot_of.append(SLOTS)
     ids += [0] * pad
@@ -138,73 +137,78 @@ def ragged_batch(rows, num_tokens: int = 16) -> tuple[ForwardBatch, np.ndarray]:
     row_of += [len(rows)] * pad
     tables = np.array([np.arange(s * MB, (s + 1) * MB) if s < SLOTS else np.zeros(MB, int) for s in slot_of])
     i32 = lambda x: jnp.asarray(np.asarray(x), jnp.int32)   # noqa: E731
-    batch = ForwardBatch(i32(ids), i32(pos), i32(kv), i32(row_of), i32(tables), i32(np.arange(num_tokens)),
-                         slot_of_row=i32(slot_of), first_token_of_row=i32(first))
-    return batch, np.array(last)
+    return ForwardBatch(i32(ids), i32(pos), i32(kv), i32(row_of), i32(tables), i32(np.arange(num_tokens)),
+                        slot_of_row=i32(slot_of), first_token_of_row=i32(first),
+                        writes_state=jnp.arange(num_tokens) < real)
 
 
 class Stepper:
-    """Decoder.forward + Decoder.commit on a paged state, as the step runs them."""
+    """Decoder.forward on a paged state, as the step runs it."""
 
     def __init__(self, model: Model):
         self.decoder = Decoder(model.config, Ops(attention="reference", block_size=BS))
         self.params = model.params
         self.fwd = jax.jit(self.decoder.forward)
-        self.commit = jax.jit(self.decoder.commit)
 
     def init(self):
         return schema.initialize(self.decoder.state_schema(CACHE), jnp.float32)
 
-    def __call__(self, state, rows, keep=None):
-        """-> (logits [T, V], state with each row's per-slot state kept after its token `keep[r]` (default: last))."""
-        batch, last = ragged_batch(rows)
-        logits, _, _, state, updates = self.fwd(self.params, state, batch)
-        slots = jnp.asarray([r[0] for r in rows] + [SLOTS], jnp.int32)
-        index = jnp.asarray(list(last if keep is None else keep) + [batch.token_ids.shape[0] - 1], jnp.int32)
-        return np.asarray(logits, np.float64), self.commit(state, updates, slots, index)
+    def __call__(self, state, rows):
+        """-> (logits [T, V], state after the step)."""
+        logits, _, _, state = self.fwd(self.params, state, ragged_batch(rows))
+        return np.asarray(logits, np.float64), state
 
 
-def slot_state(stepper: Stepper, state, slot: int) -> dict:
-    """The per-slot fields (conv window, delta-rule state) of every Gated DeltaNet layer at `slot`."""
-    fields = stepper.decoder.per_slot_fields(CACHE)
-    return {(k, f): np.asarray(state[k][f][:, slot]) for k, fs in fields.items() for f in fs}
+def state_read_by_step_at(state, slot: int, start: int, K: int) -> dict:
+    """What a step whose row starts at position `start` reads of the slot, every Gated DeltaNet layer: the conv
+    inputs of positions start-K+1..start-1 and the delta-rule state after position start-1 (their ring
+    entries, position % ring size)."""
+    conv, ssm = state["gated_deltanet"]["conv"], state["gated_deltanet"]["ssm"]
+    inputs = [(start - lag) % conv.shape[2] for lag in range(K - 1, 0, -1)]
+    return {"conv": np.asarray(conv[:, slot, np.array(inputs)]), "ssm": np.asarray(ssm[:, slot, (start - 1) % ssm.shape[2]])}
 
 
 @pytest.mark.parametrize("name", ["qwen3_5"])   # the MoE changes nothing here (qwen3_next: prefill, generate)
 def test_prefill_decode_and_verify_steps_keep_each_accepted_counts_state(models, hf_models, name):
-    """Ragged steps of two rows (prefill chunks, a decode token, a 1+k verify segment) give transformers' logits
-    at every token; committed at accepted count a (0..k), the slot holds plain decoding's state over the same
-    tokens, and the next step from it gives transformers' logits."""
-    hf, stepper, k = hf_models[name], Stepper(models[name]), 3
+    """Ragged steps of two rows (prefill chunks longer than the rings, a decode token, a 1+k verify segment) give
+    transformers' logits at every token; after the verify step, for each accepted count a (0..k), what a next
+    step starting after the a-th draft reads of the slot is plain decoding's state over the same tokens, and
+    that next step gives transformers' logits. Per slot and layer the state is k+1 delta-rule states and K-1+k
+    conv inputs, whatever the step's token count."""
+    hf, stepper, k = hf_models[name], Stepper(models[name]), K_SPEC
+    c = models[name].config
+    K, n_gdn = c.linear_conv_kernel_dim, c.layer_types.count("gated_deltanet")
     rng = np.random.default_rng(1)
-    a_seq, b_seq = [int(t) for t in rng.integers(0, 128, 9)], [int(t) for t in rng.integers(0, 128, 5)]
+    a_seq, b_seq = [int(t) for t in rng.integers(0, 128, 11)], [int(t) for t in rng.integers(0, 128, 5)]
     drafts = [int(t) for t in rng.integers(0, 128, k)]
     ref_a = hf_logits(hf, a_seq)
-    # step 1: prefill chunks of both rows (A's first chunk, B's whole prompt but its last token)
+    # step 1: prefill chunks of both rows (A's first chunk, longer than either ring; B's prompt but its last token)
     state = stepper.init()
-    logits, state = stepper(state, [(0, 0, a_seq[:5]), (2, 0, b_seq[:4])])
-    assert relative_error(logits[:5], ref_a[:5]) <= TOLERANCE
-    assert relative_error(logits[5:9], hf_logits(hf, b_seq[:4])) <= TOLERANCE
-    # step 2: A's second chunk (reads its slot's conv window and delta-rule state), B verifies [its token + k drafts]
-    logits, after = stepper(state, [(0, 5, a_seq[5:8]), (2, 4, b_seq[4:5] + drafts)])
-    assert relative_error(logits[:3], ref_a[5:8]) <= TOLERANCE
+    gdn = state["gated_deltanet"]
+    C = gdn["conv"].shape[-1]
+    assert gdn["conv"].shape == (n_gdn, SLOTS + 1, K - 1 + k, C)
+    assert gdn["ssm"].shape == (n_gdn, SLOTS + 1, k + 1, c.linear_num_value_heads, c.linear_key_head_dim,
+                                c.linear_value_head_dim)
+    logits, state = stepper(state, [(0, 0, a_seq[:7]), (2, 0, b_seq[:4])])
+    assert relative_error(logits[:7], ref_a[:7]) <= TOLERANCE
+    assert relative_error(logits[7:11], hf_logits(hf, b_seq[:4])) <= TOLERANCE
+    # step 2: A's second chunk (reads its slot's conv inputs and delta-rule state), B verifies [its token + k drafts]
+    logits, after = stepper(state, [(0, 7, a_seq[7:10]), (2, 4, b_seq[4:5] + drafts)])
+    assert relative_error(logits[:3], ref_a[7:10]) <= TOLERANCE
     ref_b = hf_logits(hf, b_seq + drafts)
     assert relative_error(logits[3:3 + k + 1], ref_b[4:]) <= TOLERANCE
     # step 3: A decodes one token
-    logits, _ = stepper(after, [(0, 8, a_seq[8:])])
-    assert relative_error(logits[:1], ref_a[8:]) <= TOLERANCE
+    logits, _ = stepper(after, [(0, 10, a_seq[10:])])
+    assert relative_error(logits[:1], ref_a[10:]) <= TOLERANCE
     for accepted in range(k + 1):
-        # the step keeps B's state after its last accepted token (index 3 + accepted in step 2's batch)
-        _, kept = stepper(state, [(0, 5, a_seq[5:8]), (2, 4, b_seq[4:5] + drafts)], keep=[2, 3 + accepted])
-        seq = b_seq + drafts[:accepted]
+        seq = b_seq + drafts[:accepted]          # B's tokens when the step accepted `accepted` drafts
         _, plain = stepper(stepper.init(), [(1, 0, seq)])              # plain decoding of the same tokens
-        want, got = slot_state(stepper, plain, 1), slot_state(stepper, kept, 2)
-        assert set(got) == {(kind, f) for kind in ["gated_deltanet"] for f in ("conv", "ssm")}
-        for key in want:
-            np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-5, err_msg=f"{key} a={accepted}")
-        # the next step (its KV past the accepted drafts rewritten) continues from it exactly
+        want, got = state_read_by_step_at(plain, 1, len(seq), K), state_read_by_step_at(after, 2, len(seq), K)
+        for field in want:
+            np.testing.assert_allclose(got[field], want[field], rtol=1e-5, atol=1e-5, err_msg=f"{field} a={accepted}")
+        # the next step starts after the accepted drafts (its KV past them rewritten) and continues exactly
         nxt = int(rng.integers(0, 128))
-        logits, _ = stepper(kept, [(2, len(seq), [nxt])])
+        logits, _ = stepper(after, [(2, len(seq), [nxt])])
         assert relative_error(logits[:1], hf_logits(hf, seq + [nxt])[-1:]) <= TOLERANCE
 
 

@@ -4,7 +4,7 @@
     forward   <- the target over prefill chunks, decode tokens and the drafts to verify
     logprobs  <- the processed distribution at each row's last real token and at every draft
     emitted   <- sampled, or the drafts verified by rejection sampling
-    state     <- committed: accepted counts, history, per-slot layer state
+    state     <- committed: accepted counts and history (per-slot layer state was kept by the forward)
     drafts    <- the drafter proposes the next k per row
 
 Positions, input ids and the KV slot mapping come from the device's own counts, so the host can plan a step
@@ -106,15 +106,15 @@ def step(target, drafter, sc: StepConfig, variant: StepVariant, params, drafter_
     K, V = variant.draft_width(sc), target.config.vocab_size
     tok = tokens_from_state(sc, K, state, inp, V)
     aux_layers = drafter.aux_layers if drafter is not None else ()
-    logits, hidden, aux, layers, slot_updates = target.forward(params, state.layers, tok.batch, aux_layers)
+    logits, hidden, aux, layers = target.forward(params, state.layers, tok.batch, aux_layers)
     raw_logits = logits.reshape(-1, K + 1, V)                                               # [R, K+1, V]
     st = sampling_tensors(inp)
     logprobs = target_distributions(variant, raw_logits, tok, inp, st)                      # [R, K+1, V]
     keys = position_keys(inp, tok.base, K + 1)                                              # [R, K+1]
     emitted, num_accepted = sample_or_verify(variant, logprobs, st, tok.draft_ids, inp.rows["num_drafts"],
                                              draft_logprobs(state, tok.slot, drafter, K), keys)
-    state, emitted, num_accepted, num_tokens, last_final = commit(
-        target, sc, K, state, tok, inp, emitted, num_accepted, layers, slot_updates)
+    state, emitted, num_accepted, num_tokens, last_final = commit(sc, K, state, tok, inp, emitted, num_accepted,
+                                                                  layers)
     if drafter is not None:
         ctx = DraftContext(ops=target.ops, num_speculative_tokens=K, cache=sc.cache_shape, target_params=params,
                            batch=tok.batch, token_valid=tok.valid, hidden=hidden, aux_hidden=aux,
@@ -158,7 +158,7 @@ def tokens_from_state(sc: StepConfig, K: int, state: DecodeState, inp: DeviceInp
     last_real = rows["first_token"] + num_new - 1 - num_drafts
     logits_idx = jnp.clip(last_real[:, None] + jnp.arange(K + 1)[None, :], 0, T - 1).reshape(-1)   # [R*(K+1)]
     batch = ForwardBatch(ids, pos, kv_slots, t["row"], inp.block_tables, logits_idx, slot_of_row=slot,
-                         first_token_of_row=rows["first_token"])
+                         first_token_of_row=rows["first_token"], writes_state=valid)
     return Tokens(batch, valid, history, slot, start, start + num_new - num_drafts, draft_ids)
 
 
@@ -244,10 +244,11 @@ def draft_logprobs(state: DecodeState, slot, drafter, K: int):
     return state.drafter["draft_logprobs"][slot][:, :K]
 
 
-def commit(target, sc: StepConfig, K: int, state: DecodeState, tok: Tokens, inp: DeviceInputs, emitted,
-           num_accepted, layers, slot_updates):
-    """The device's authoritative counts: accepted drafts extend the KV, emitted tokens extend the history,
-    per-slot layer state keeps its value after the row's last token whose KV is final.
+def commit(sc: StepConfig, K: int, state: DecodeState, tok: Tokens, inp: DeviceInputs, emitted, num_accepted,
+           layers):
+    """The device's authoritative counts: accepted drafts extend the KV, emitted tokens extend the history.
+    Per-slot layer state needs no commit: the forward kept it after each of the row's last k+1 positions, and
+    the next step starts from num_computed, so it reads the entry after the last accepted token.
     -> (state, emitted, num_accepted, num_tokens [R], last_final [R] index in T)."""
     H = sc.history_len
     rows = inp.rows
@@ -261,7 +262,6 @@ def commit(target, sc: StepConfig, K: int, state: DecodeState, tok: Tokens, inp:
     history = tok.history.at[tok.slot[:, None], jnp.where(write, tok.base[:, None] + j, H)].set(emitted, mode="drop")
     T = tok.valid.shape[0]
     last_final = jnp.clip(rows["first_token"] + num_computed - 1 - tok.start, 0, T - 1)
-    layers = target.commit(layers, slot_updates, tok.slot, last_final)
     state = state.replace(layers=layers, history=history, num_tokens=state.num_tokens.at[tok.slot].set(num_tokens),
                           num_computed=state.num_computed.at[tok.slot].set(num_computed))
     return state, emitted, num_accepted, num_tokens, last_final

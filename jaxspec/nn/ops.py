@@ -24,6 +24,9 @@ class ForwardBatch(NamedTuple):
     logits_indices: jax.Array  # i32[N]   tokens whose logits are wanted
     slot_of_row: jax.Array | None = None         # i32[R] request slot of each row (per-slot layer state)
     first_token_of_row: jax.Array | None = None  # i32[R] index in T of each row's first token
+    # bool[T] tokens that extend their sequence: their per-slot state is kept (as a KV slot < S keeps their KV);
+    # false for padding and for drafts past a drafter's emitted token. None: every token.
+    writes_state: jax.Array | None = None
 
 
 def rms_norm(x, weight, eps):
