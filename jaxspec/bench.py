@@ -352,7 +352,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--random-weights", action="store_true",
                    help="the model's (and draft model's) shapes with random weights: step times without "
                         "the checkpoints (acceptance is meaningless)")
-    p.add_argument("--spec-method", choices=["draft_model", "eagle", "eagle3", "ngram"])
+    p.add_argument("--spec-method", choices=["draft_model", "eagle", "eagle3", "mtp", "ngram"])
     p.add_argument("--draft-model")
     p.add_argument("--num-spec-tokens", type=int, default=4)
     p.add_argument("--adaptive-spec", action="store_true",
@@ -431,7 +431,9 @@ def run(argv=None) -> list[dict]:
     if args.spec_method:
         spec = {"method": args.spec_method, "num_speculative_tokens": args.num_spec_tokens,
                 "adaptive": args.adaptive_spec}
-        if args.spec_method != "ngram":
+        if args.spec_method == "mtp" and args.draft_model:   # mtp.* tensors elsewhere than the target's directory
+            spec["model"] = args.draft_model
+        elif args.spec_method not in ("ngram", "mtp"):
             if not args.draft_model:
                 raise SystemExit(f"--spec-method {args.spec_method} needs --draft-model")
             spec["model"] = args.draft_model
