@@ -4,8 +4,11 @@ transformers' own pure-torch definitions, on tiny random checkpoints written by 
   - prefill, decode and a (1+k)-token verify-shaped ragged step give transformers' logits;
   - for each accepted count a in 0..k the per-slot state the next step reads (conv window and delta-rule state)
     is plain decoding's over the same tokens;
-  - greedy generation equals transformers' `generate`; with speculation (n-gram, draft model), chunked prefill and
-    forced preemption, async and sync give the same tokens and counts, equal to plain greedy;
+  - greedy generation equals transformers' `generate`; with speculation (n-gram, draft model, MTP), chunked prefill
+    and forced preemption, async and sync give the same tokens and counts, equal to plain greedy;
+  - MTP: the head read from the checkpoint's mtp.* tensors gives a reference's logits (transformers' own layer
+    inside the published MTP wiring), and after every step the device's drafts are the reference's proposals (as
+    are a hybrid draft model's its dense greedy continuation);
   - prefix caching is refused for them with a reason.
 """
 import dataclasses
