@@ -371,6 +371,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=int, default=256)
     p.add_argument("--attention", default="auto", choices=["auto", "pallas", "reference"],
                    help="paged attention: the Pallas kernel or the jnp gather (auto: the kernel on a GPU)")
+    p.add_argument("--delta-rule", default="reference", choices=["reference", "pallas"],
+                   help="hybrid models' Gated DeltaNet recurrence: the JAX scan or the Pallas kernel")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="devices to split the model over")
     p.add_argument("--request-rate", type=float, default=float("inf"),
@@ -458,7 +460,7 @@ def run(argv=None) -> list[dict]:
         label = f"{'async' if async_mode else 'sync'}{'+' + sp['method'] if sp else ''}"
         llm = LLM(model, max_num_seqs=args.max_concurrency, max_model_len=args.max_model_len,
                   max_num_batched_tokens=args.max_num_batched_tokens, async_scheduling=async_mode,
-                  speculative_config=sp, seed=args.seed, attention=args.attention,
+                  speculative_config=sp, seed=args.seed, attention=args.attention, delta_rule=args.delta_rule,
                   enable_prefix_caching=args.enable_prefix_caching, tensor_parallel_size=args.tensor_parallel_size)
         if not args.enable_prefix_caching:
             label += "+no-prefix-cache"

@@ -393,13 +393,14 @@ def dense_greedy(model: Model, seq, n: int, length: int = ENGINE["max_model_len"
     return seq[-n:]
 
 
-@pytest.mark.parametrize("method", ["mtp", "draft_model"])
-def test_drafts_match_a_reference_after_every_step(models, mtp_checkpoints, method):
+@pytest.mark.parametrize("method,delta_rule", [("mtp", "reference"), ("draft_model", "reference"), ("mtp", "pallas")])
+def test_drafts_match_a_reference_after_every_step(models, mtp_checkpoints, method, delta_rule):
     """Two requests (a 3-token prompt, a 9-token one prefilled in chunks), sync: after every step the drafts the
     device holds for each are the reference's greedy proposals over the sequence so far, through partial
     acceptance. MTP: the reference head (its own output fed back for the later drafts), through the head's KV,
     the feature each slot saved and the target's rings. A draft model that is itself a hybrid: its dense greedy
-    continuation, through its own rings (written by the folded pass and by the speculative single-token passes)."""
+    continuation, through its own rings (written by the folded pass and by the speculative single-token passes).
+    With the Pallas delta-rule kernel (interpreted on a CPU) in place of the scan, the same."""
     if method == "mtp":
         path, reference = mtp_checkpoints["qwen3_5_fitted"]
         target, spec, propose = load_model(path, dtype="float32"), {}, reference.greedy_drafts
@@ -409,7 +410,7 @@ def test_drafts_match_a_reference_after_every_step(models, mtp_checkpoints, meth
         spec = dict(model=draft)
         propose = functools.partial(dense_greedy, draft)
     llm = LLM(target, **ENGINE, max_num_batched_tokens=8, num_kv_blocks=13, async_scheduling=False, warmup=False,
-              speculative_config=dict(method=method, num_speculative_tokens=MTP_K, **spec))
+              speculative_config=dict(method=method, num_speculative_tokens=MTP_K, **spec), delta_rule=delta_rule)
     engine = llm.engine
     # the short prompt first: its row is row 0, which also holds the batch's padding
     reqs = [engine.add_request(PROMPTS[i], SamplingParams(temperature=0, max_tokens=MAX_TOKENS[i], ignore_eos=True))

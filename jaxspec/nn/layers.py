@@ -335,7 +335,7 @@ class GatedDeltaNet:
         beta = jax.nn.sigmoid(b.astype(jnp.float32))                                    # [T, Hv]
         g = -jnp.exp(lp["A_log"].astype(jnp.float32)) * jax.nn.softplus(
             a.astype(jnp.float32) + lp["dt_bias"].astype(jnp.float32))
-        o, ssm = delta_rule_scan(state["ssm"], i, batch, q, k, v.reshape(T, Hv, dv), beta, g)
+        o, ssm = delta_rule(ops)(state["ssm"], i, batch, q, k, v.reshape(T, Hv, dv), beta, g)
         state = {**state, "conv": write_ring(state["conv"], i, batch, qkv), "ssm": ssm}
         o = rms_norm(o, lp["gdn_norm"].astype(jnp.float32), c.rms_norm_eps)            # [T, Hv, dv]
         o = o * jax.nn.silu(z.reshape(T, Hv, dv).astype(jnp.float32))
@@ -356,6 +356,14 @@ def conv_window(ring, i, batch: ForwardBatch, inputs, K: int):
         from_ring = read_ring(ring, i, slot, batch.positions - lag).astype(inputs.dtype)
         cols.append(jnp.where((in_row >= lag)[:, None], from_step, from_ring))
     return jnp.stack(cols + [inputs], axis=1)
+
+
+def delta_rule(ops: Ops):
+    """The recurrence `ops` chose: the scan below (the reference) or the Pallas kernel, with one contract."""
+    if ops.delta_rule == "pallas":
+        from jaxspec.pallas.delta_rule import delta_rule_fn
+        return delta_rule_fn
+    return delta_rule_scan
 
 
 def delta_rule_scan(ring, i, batch: ForwardBatch, q, k, v, beta, g):

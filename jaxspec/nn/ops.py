@@ -1,5 +1,5 @@
 """The operations every layer shares (RMSNorm, rotary embedding, paged attention), and `Ops`: the swappable
-choices (which attention kernel, unrolled or scanned layers), made once per engine in one place.
+choices (which attention and delta-rule kernels, unrolled or scanned layers), made once per engine in one place.
 
 Shapes: T tokens in this step (a ragged mix of prefill chunks, decode tokens and verify segments of
 different requests), R request rows, MB blocks per row, S = num_blocks * block_size flat KV slots, L layers,
@@ -104,25 +104,32 @@ class Ops:
     attention: "pallas" (the kernel that reads KV pages in place), "reference" (jnp gather of the pages) or
     "dense" (one unpaged sequence: `Decoder.score`). unroll: layers unrolled with their stacked weights
     indexed statically (GPU: each matmul reads its weight in place), or scanned over runs of one layer kind
-    (CPU: one layer body to compile).
+    (CPU: one layer body to compile). delta_rule: the Gated DeltaNet recurrence as "reference" (a JAX scan over
+    the step's tokens) or "pallas" (jaxspec.pallas.delta_rule: one program per row and head; not yet measured
+    on a GPU, so the default stays the scan there too).
     """
     attention: str = "reference"
     block_size: int = 16
     unroll: bool = False
     tp: Any = None          # nn.sharding.TensorParallel: the mesh the step runs on, or None (one device)
+    delta_rule: str = "reference"
 
     def __post_init__(self):
         if self.attention not in ("pallas", "reference", "dense"):
             raise ValueError(f"attention={self.attention!r} is unknown; choose 'pallas' or 'reference'")
+        if self.delta_rule not in ("pallas", "reference"):
+            raise ValueError(f"delta_rule={self.delta_rule!r} is unknown; choose 'pallas' or 'reference'")
 
     @staticmethod
-    def for_backend(block_size: int, attention: str = "auto", unroll: bool | None = None, tp=None) -> "Ops":
+    def for_backend(block_size: int, attention: str = "auto", unroll: bool | None = None, tp=None,
+                    delta_rule: str = "reference") -> "Ops":
         """The measured choices for this device (docs/benchmarks.md): on a GPU the Pallas kernel and unrolled
         layers, on a CPU the reference attention and scanned layers (fast compiles)."""
         gpu = jax.default_backend() == "gpu"
         if attention == "auto":
             attention = "pallas" if gpu else "reference"
-        return Ops(attention=attention, block_size=block_size, unroll=gpu if unroll is None else unroll, tp=tp)
+        return Ops(attention=attention, block_size=block_size, unroll=gpu if unroll is None else unroll, tp=tp,
+                   delta_rule=delta_rule)
 
     def attend(self, q, k_pool, v_pool, layer, batch: ForwardBatch):
         """q [T, Hq, hd] against the pools [L, S, Hkv, hd] of layer `layer` -> [T, Hq*hd]; under tensor
