@@ -433,7 +433,10 @@ def run(argv=None) -> list[dict]:
     if args.spec_method:
         spec = {"method": args.spec_method, "num_speculative_tokens": args.num_spec_tokens,
                 "adaptive": args.adaptive_spec}
-        if args.spec_method == "mtp" and args.draft_model:   # mtp.* tensors elsewhere than the target's directory
+        if args.spec_method == "mtp" and args.random_weights:   # the head's shapes, random too
+            from jaxspec.decode.drafters.mtp import random_mtp_params
+            spec["model"] = random_mtp_params(model.config, model.params["embed"].dtype.name, args.seed + 1)
+        elif args.spec_method == "mtp" and args.draft_model:   # mtp.* tensors elsewhere than the target's directory
             spec["model"] = args.draft_model
         elif args.spec_method not in ("ngram", "mtp"):
             if not args.draft_model:

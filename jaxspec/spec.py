@@ -11,7 +11,8 @@ MAX_SPEC_TOKENS = 16
 class SpeculativeConfig:
     method: str
     model: object = None                # draft model / EAGLE head: a preset, GGUF file, directory or Model;
-                                        # mtp: None (the target's own checkpoint) or a directory with mtp.* tensors
+                                        # mtp: None (the target's own checkpoint), a directory with mtp.*
+                                        # tensors, or the head's declared params (a dict)
     num_speculative_tokens: int = 4
     draft_sampling: str = "argmax"      # "argmax": drafts are the drafter's argmax (q is a point mass)
     prompt_lookup_min: int = 2          # ngram: shortest suffix matched against the history

@@ -431,8 +431,10 @@ def test_drafts_match_a_reference_after_every_step(models, mtp_checkpoints, meth
 
 def test_mtp_needs_the_checkpoints_mtp_weights(hybrid_dirs, models, mtp_checkpoints, tmp_path):
     """method "mtp" is refused, naming the checkpoint and what it lacks, for a checkpoint without mtp.* tensors or
-    with one missing, a target not loaded from a directory, and a target that is not a hybrid."""
+    with one missing, a target not loaded from a directory, and a target that is not a hybrid; params given in
+    place of a checkpoint are checked against the head's declaration."""
     from conftest import random_model
+    from jaxspec.decode.drafters.mtp import random_mtp_params
     from jaxspec.spec import SpeculativeConfig, build_drafter
     spec = SpeculativeConfig(method="mtp", num_speculative_tokens=2)
     with pytest.raises(ValueError, match=f"{hybrid_dirs['qwen3_5']}.*has no MTP weights"):
@@ -445,6 +447,13 @@ def test_mtp_needs_the_checkpoints_mtp_weights(hybrid_dirs, models, mtp_checkpoi
         build_drafter(spec, dataclasses.replace(models["qwen3_5"], source=None))
     with pytest.raises(ValueError, match="needs a Qwen3-Next or Qwen3.5 target.*'llama'"):
         build_drafter(spec, random_model(0))
+    # benchmarks on random weights pass the head's params; they must be the declared ones
+    params = random_mtp_params(models["qwen3_5"].config, "float32")
+    drafter, got = build_drafter(dataclasses.replace(spec, model=params), models["qwen3_5"])
+    assert drafter.method == "mtp" and got is params
+    params["layers"]["gated_attention"]["o_proj"] = params["layers"]["gated_attention"]["o_proj"][:, :4]
+    with pytest.raises(ValueError, match=r"the MTP params\['layers'\]\['gated_attention'\]\['o_proj'\] has shape"):
+        build_drafter(dataclasses.replace(spec, model=params), models["qwen3_5"])
 
 
 @pytest.mark.parametrize("method", ["draft_model", "ngram", "mtp"])

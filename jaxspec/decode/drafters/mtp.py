@@ -75,11 +75,24 @@ def load_mtp_head(path, target_config, dtype) -> tuple[MtpHead, dict]:
     return head, jax.tree_util.tree_map(jnp.asarray, params)
 
 
+def random_mtp_params(config, dtype="bfloat16", seed: int = 0, scale: float = 0.02) -> dict:
+    """An MTP head's declared params drawn at random (weights N(0, scale), norms ones): benchmarks of the step
+    time of MTP drafting on a model with random weights, which has no checkpoint to read them from."""
+    from jaxspec.nn import schema
+    return schema.initialize(MtpHead(config).param_schema(), jnp.dtype(dtype), jax.random.PRNGKey(seed), scale)
+
+
 def build_mtp_drafter(spec, target):
-    """-> (MtpDrafter, head params) from the target's own checkpoint, or `spec.model` (a directory) when given."""
+    """-> (MtpDrafter, head params) from the target's own checkpoint, or from `spec.model` when given: a directory
+    with the mtp.* tensors, or the head's declared params (a dict, as `random_mtp_params` makes)."""
     if not target.config.hybrid:
         raise ValueError(f"speculative method 'mtp' needs a Qwen3-Next or Qwen3.5 target (their checkpoints ship the "
                          f"MTP head); the target is {target.config.arch!r}")
+    head = MtpHead(target.config)
+    if isinstance(spec.model, dict):
+        from jaxspec.nn import schema
+        schema.check(head.param_schema(), spec.model, "the MTP params")
+        return MtpDrafter(head, spec.draft_sampling), spec.model
     path = spec.model if spec.model is not None else target
     if hasattr(path, "params"):   # a Model: the directory it was loaded from
         path = path.source
