@@ -353,7 +353,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--random-weights", action="store_true",
                    help="the model's (and draft model's) shapes with random weights: step times without "
                         "the checkpoints (acceptance is meaningless)")
-    p.add_argument("--spec-method", choices=["draft_model", "eagle", "eagle3", "ngram"])
+    p.add_argument("--spec-method", choices=["draft_model", "eagle", "eagle3", "mtp", "ngram"])
     p.add_argument("--draft-model")
     p.add_argument("--num-spec-tokens", type=int, default=4)
     p.add_argument("--adaptive-spec", action="store_true",
@@ -372,6 +372,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=int, default=256)
     p.add_argument("--attention", default="auto", choices=["auto", "pallas", "reference"],
                    help="paged attention: the Pallas kernel or the jnp gather (auto: the kernel on a GPU)")
+    p.add_argument("--delta-rule", default="reference", choices=["reference", "pallas"],
+                   help="hybrid models' Gated DeltaNet recurrence: the JAX scan or the Pallas kernel")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="devices to split the model over")
     p.add_argument("--request-rate", type=float, default=float("inf"),
@@ -476,7 +478,12 @@ def run(argv=None) -> list[dict]:
     if args.spec_method:
         spec = {"method": args.spec_method, "num_speculative_tokens": args.num_spec_tokens,
                 "adaptive": args.adaptive_spec}
-        if args.spec_method != "ngram":
+        if args.spec_method == "mtp" and args.random_weights:   # the head's shapes, random too
+            from jaxspec.decode.drafters.mtp import random_mtp_params
+            spec["model"] = random_mtp_params(model.config, model.params["embed"].dtype.name, args.seed + 1)
+        elif args.spec_method == "mtp" and args.draft_model:   # mtp.* tensors elsewhere than the target's directory
+            spec["model"] = args.draft_model
+        elif args.spec_method not in ("ngram", "mtp"):
             if not args.draft_model:
                 raise SystemExit(f"--spec-method {args.spec_method} needs --draft-model")
             spec["model"] = args.draft_model
@@ -501,7 +508,7 @@ def run(argv=None) -> list[dict]:
         label = f"{'async' if async_mode else 'sync'}{'+' + sp['method'] if sp else ''}"
         llm = LLM(model, max_num_seqs=args.max_concurrency, max_model_len=args.max_model_len,
                   max_num_batched_tokens=args.max_num_batched_tokens, async_scheduling=async_mode,
-                  speculative_config=sp, seed=args.seed, attention=args.attention,
+                  speculative_config=sp, seed=args.seed, attention=args.attention, delta_rule=args.delta_rule,
                   enable_prefix_caching=args.enable_prefix_caching, tensor_parallel_size=args.tensor_parallel_size)
         if not args.enable_prefix_caching:
             label += "+no-prefix-cache"

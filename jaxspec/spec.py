@@ -3,14 +3,16 @@ from __future__ import annotations
 
 import dataclasses
 
-METHODS = ("draft_model", "eagle", "eagle3", "ngram")
+METHODS = ("draft_model", "eagle", "eagle3", "mtp", "ngram")
 MAX_SPEC_TOKENS = 16
 
 
 @dataclasses.dataclass
 class SpeculativeConfig:
     method: str
-    model: object = None                # draft model / EAGLE head: a preset, GGUF file, directory or Model
+    model: object = None                # draft model / EAGLE head: a preset, GGUF file, directory or Model;
+                                        # mtp: None (the target's own checkpoint), a directory with mtp.*
+                                        # tensors, or the head's declared params (a dict)
     num_speculative_tokens: int = 4
     draft_sampling: str = "argmax"      # "argmax": drafts are the drafter's argmax (q is a point mass)
     prompt_lookup_min: int = 2          # ngram: shortest suffix matched against the history
@@ -35,7 +37,7 @@ class SpeculativeConfig:
                                  f"{self.prompt_lookup_max} are invalid; need 1 <= min <= max")
             if self.draft_sampling != "argmax":
                 raise ValueError("ngram drafts are copied from the history: draft_sampling must be 'argmax'")
-        elif self.model is None:
+        elif self.model is None and self.method != "mtp":
             raise ValueError(f"speculative method {self.method!r} needs `model` (the draft model or head)")
 
     @classmethod
@@ -60,5 +62,8 @@ def build_drafter(spec: SpeculativeConfig, target):
     if spec.method == "draft_model":
         from jaxspec.decode.drafters.draft_model import build_draft_model_drafter
         return build_draft_model_drafter(spec, target)
+    if spec.method == "mtp":
+        from jaxspec.decode.drafters.mtp import build_mtp_drafter
+        return build_mtp_drafter(spec, target)
     from jaxspec.decode.drafters.eagle import build_eagle_drafter
     return build_eagle_drafter(spec, target)

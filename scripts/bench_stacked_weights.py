@@ -30,7 +30,7 @@ def main():
     def stacked(params, state):
         total = 0.0
         for _ in range(FORWARDS):
-            logits, _, _, state, _ = decoder.forward(params, state, batch)
+            logits, _, _, state = decoder.forward(params, state, batch)
             total = total + logits.sum()
         return total, state
 

@@ -246,3 +246,69 @@ def greedy_spec_counts(continuation: list[int], prompt_len: int, max_tokens: int
         out["steps"] += 1
         n += accepted + 1
     return out
+
+
+# ---- the MTP head of Qwen3-Next / Qwen3.5 (transformers has none) -------------------------------------------
+
+def zero_centred_rms_norm(x, w, eps):
+    """The hybrids' RMSNorm (torch): x / rms(x) * (1 + w), in float32."""
+    import torch
+    x = x.float()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + w.float())
+
+
+class MtpReference:
+    """The MTP head as published (vLLM's qwen3_next_mtp / qwen3_5_mtp), over one whole sequence in torch:
+
+        x   = fc([pre_fc_norm_embedding(embed(token p+1)); pre_fc_norm_hidden(hidden p)])
+        out = norm(one full-attention decoder layer(x))         (pair p at position p; predicts token p+2)
+        logits = lm_head(out); a later draft pairs `out` with the draft it gave.
+
+    `target`: transformers' causal LM (its hidden after the final norm, embedding and lm_head); `layer_model`:
+    transformers' own base model of the target's family with a single full-attention layer, holding the MTP
+    layer as layers.0 and the MTP `norm` as its final norm, run on inputs_embeds = x; `tensors`: the mtp.*
+    tensors (fc and the two pre-fc norms are read from there)."""
+
+    def __init__(self, target, layer_model, tensors: dict):
+        import torch
+        self.target, self.layer_model = target, layer_model
+        self.t = {k: torch.as_tensor(np.asarray(v)) for k, v in tensors.items()}
+        self.eps = target.config.rms_norm_eps
+
+    def outputs(self, features, tokens):
+        """features [n, D] (pair p's hidden), tokens [n] (pair p's token) -> out [n, D]."""
+        import torch
+        with torch.no_grad():
+            emb = self.target.get_input_embeddings()(torch.as_tensor(tokens))
+            x = torch.cat([zero_centred_rms_norm(emb, self.t["mtp.pre_fc_norm_embedding.weight"], self.eps),
+                           zero_centred_rms_norm(features, self.t["mtp.pre_fc_norm_hidden.weight"], self.eps)], -1)
+            x = x @ self.t["mtp.fc.weight"].T
+            return self.layer_model(inputs_embeds=x[None]).last_hidden_state[0]
+
+    def logits(self, out):
+        import torch
+        with torch.no_grad():
+            return self.target.get_output_embeddings()(out)
+
+    def target_hidden(self, ids):
+        import torch
+        with torch.no_grad():
+            return self.target.model(torch.as_tensor([list(ids)])).last_hidden_state[0]
+
+    def pair_logits(self, ids) -> np.ndarray:
+        """Logits on every pair (hidden p, token p+1) of `ids` [n-1, V]: row p predicts ids[p+2]."""
+        ids = list(ids)
+        return self.logits(self.outputs(self.target_hidden(ids)[:-1], ids[1:])).double().numpy()
+
+    def greedy_drafts(self, ids, k: int) -> list[int]:
+        """The k argmax drafts after the sequence `ids`: the head over all its pairs, then k-1 times its own
+        last output paired with its own draft."""
+        import torch
+        ids = list(ids)
+        features, tokens = self.target_hidden(ids)[:-1], ids[1:]
+        drafts = []
+        for _ in range(k):
+            out = self.outputs(features, tokens)[-1]
+            drafts.append(int(torch.argmax(self.logits(out[None])[0])))
+            features, tokens = torch.cat([features, out[None]]), tokens + drafts[-1:]
+        return drafts

@@ -15,7 +15,7 @@ from jaxspec.models.checkpoint import restore_params, save_params
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.model import Model
 from jaxspec.nn import LAYER_KINDS, Decoder, Spec, schema
-from jaxspec.nn.layers import Attention, segment_start_state
+from jaxspec.nn.layers import Attention, read_ring, snapshot_spec, write_ring
 from jaxspec.nn.ops import rms_norm
 
 MAX_ARGUMENT_BUFFERS = 48   # a target plus a draft model, whatever their depth
@@ -81,18 +81,19 @@ class RunningMean:
         return {"norm": Spec((D,), ("embed",), "ones"), "proj": Spec((D, D), ("embed", "embed"))}
 
     def state(self, c, cache):
-        return {"sum": Spec((cache.num_slots, c.hidden_size), ("slots", "embed"), "zeros")}
+        return {"sum": snapshot_spec(cache, (c.hidden_size,), ("embed",))}
 
     def __call__(self, c, ops, lp, h, state, i, batch):
-        T = h.shape[0]
         x = rms_norm(h, lp["norm"], c.rms_norm_eps).astype(jnp.float32)                  # [T, D]
         csum = jnp.cumsum(x, axis=0)
         first = batch.first_token_of_row[batch.row_of_token]                             # [T]
         before = jnp.where((first > 0)[:, None], csum[jnp.maximum(first - 1, 0)], 0.0)   # up to the row's start
-        total = segment_start_state(state["sum"][i], batch, T).astype(jnp.float32) + csum - before   # [T, D]
+        # the slot's sum after the position before its row's first token (zeros at position 0)
+        start = read_ring(state["sum"], i, batch.slot_of_row[batch.row_of_token], batch.positions[first] - 1)
+        total = start.astype(jnp.float32) + csum - before                                # [T, D]
         mean = total / (batch.positions[:, None] + 1).astype(jnp.float32)
         out = h + (jnp.tanh(mean).astype(h.dtype) @ lp["proj"].T)
-        return out, state, {"sum": total.astype(state["sum"].dtype)}
+        return out, {**state, "sum": write_ring(state["sum"], i, batch, total)}
 
 
 @pytest.fixture

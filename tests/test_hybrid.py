@@ -4,11 +4,15 @@ transformers' own pure-torch definitions, on tiny random checkpoints written by 
   - prefill, decode and a (1+k)-token verify-shaped ragged step give transformers' logits;
   - for each accepted count a in 0..k the per-slot state the next step reads (conv window and delta-rule state)
     is plain decoding's over the same tokens;
-  - greedy generation equals transformers' `generate`; with speculation (n-gram, draft model), chunked prefill and
-    forced preemption, async and sync give the same tokens and counts, equal to plain greedy;
+  - greedy generation equals transformers' `generate`; with speculation (n-gram, draft model, MTP), chunked prefill
+    and forced preemption, async and sync give the same tokens and counts, equal to plain greedy;
+  - MTP: the head read from the checkpoint's mtp.* tensors gives a reference's logits (transformers' own layer
+    inside the published MTP wiring), and after every step the device's drafts are the reference's proposals (as
+    are a hybrid draft model's its dense greedy continuation);
   - prefix caching is refused for them with a reason.
 """
 import dataclasses
+import functools
 import json
 
 import jax
@@ -17,6 +21,7 @@ import numpy as np
 import pytest
 
 from conftest import randomize_
+from reference import MtpReference, zero_centred_rms_norm
 from jaxspec import LLM, SamplingParams
 from jaxspec.models import load_model
 from jaxspec.models.model import Model
@@ -112,14 +117,14 @@ def test_nested_qwen3_5_checkpoint_loads_the_same_params(hybrid_dirs, models, tm
 
 # ---- ragged steps straight through the decoder ------------------------------------------------------------
 
-BS, MB, SLOTS = 4, 8, 3          # block size, blocks per slot, request slots (+1 trash slot)
-CACHE = CacheShape(num_kv_slots=SLOTS * MB * BS, num_slots=SLOTS + 1)
+BS, MB, SLOTS, K_SPEC = 4, 8, 3, 3   # block size, blocks per slot, request slots (+1 trash slot), drafts per step
+CACHE = CacheShape(num_kv_slots=SLOTS * MB * BS, num_slots=SLOTS + 1, num_speculative_tokens=K_SPEC)
 
 
-def ragged_batch(rows, num_tokens: int = 16) -> tuple[ForwardBatch, np.ndarray]:
+def ragged_batch(rows, num_tokens: int = 16) -> ForwardBatch:
     """rows: [(slot, start position, token ids)], each row's tokens contiguous, then padding (a row on the trash
-    slot that writes no KV) -> (batch with logits at every token, index of each real row's last token)."""
-    ids, pos, kv, row_of, first, slot_of, last = [], [], [], [], [], [], []
+    slot that writes no KV and no per-slot state) -> a batch with logits at every token."""
+    ids, pos, kv, row_of, first, slot_of = [], [], [], [], [], []
     for r, (slot, start, tokens) in enumerate(rows):
         first.append(len(ids))
         slot_of.append(slot)
@@ -128,8 +133,7 @@ def ragged_batch(rows, num_tokens: int = 16) -> tuple[ForwardBatch, np.ndarray]:
             pos.append(start + j)
             kv.append(slot * MB * BS + start + j)
             row_of.append(r)
-        last.append(len(ids) - 1)
-    pad = num_tokens - len(ids)
+    real, pad = len(ids), num_tokens - len(ids)
     first.append(len(ids))
     slot_of.append(SLOTS)
     ids += [0] * pad
@@ -138,73 +142,79 @@ def ragged_batch(rows, num_tokens: int = 16) -> tuple[ForwardBatch, np.ndarray]:
     row_of += [len(rows)] * pad
     tables = np.array([np.arange(s * MB, (s + 1) * MB) if s < SLOTS else np.zeros(MB, int) for s in slot_of])
     i32 = lambda x: jnp.asarray(np.asarray(x), jnp.int32)   # noqa: E731
-    batch = ForwardBatch(i32(ids), i32(pos), i32(kv), i32(row_of), i32(tables), i32(np.arange(num_tokens)),
-                         slot_of_row=i32(slot_of), first_token_of_row=i32(first))
-    return batch, np.array(last)
+    return ForwardBatch(i32(ids), i32(pos), i32(kv), i32(row_of), i32(tables), i32(np.arange(num_tokens)),
+                        slot_of_row=i32(slot_of), first_token_of_row=i32(first),
+                        writes_state=jnp.arange(num_tokens) < real)
 
 
 class Stepper:
-    """Decoder.forward + Decoder.commit on a paged state, as the step runs them."""
+    """Decoder.forward on a paged state, as the step runs it."""
 
     def __init__(self, model: Model):
         self.decoder = Decoder(model.config, Ops(attention="reference", block_size=BS))
         self.params = model.params
         self.fwd = jax.jit(self.decoder.forward)
-        self.commit = jax.jit(self.decoder.commit)
 
     def init(self):
         return schema.initialize(self.decoder.state_schema(CACHE), jnp.float32)
 
-    def __call__(self, state, rows, keep=None):
-        """-> (logits [T, V], state with each row's per-slot state kept after its token `keep[r]` (default: last))."""
-        batch, last = ragged_batch(rows)
-        logits, _, _, state, updates = self.fwd(self.params, state, batch)
-        slots = jnp.asarray([r[0] for r in rows] + [SLOTS], jnp.int32)
-        index = jnp.asarray(list(last if keep is None else keep) + [batch.token_ids.shape[0] - 1], jnp.int32)
-        return np.asarray(logits, np.float64), self.commit(state, updates, slots, index)
+    def __call__(self, state, rows):
+        """-> (logits [T, V], state after the step)."""
+        logits, _, _, state = self.fwd(self.params, state, ragged_batch(rows))
+        return np.asarray(logits, np.float64), state
 
 
-def slot_state(stepper: Stepper, state, slot: int) -> dict:
-    """The per-slot fields (conv window, delta-rule state) of every Gated DeltaNet layer at `slot`."""
-    fields = stepper.decoder.per_slot_fields(CACHE)
-    return {(k, f): np.asarray(state[k][f][:, slot]) for k, fs in fields.items() for f in fs}
+def state_read_by_step_at(state, slot: int, start: int, K: int) -> dict:
+    """What a step whose row starts at position `start` reads of the slot, every Gated DeltaNet layer: the conv
+    inputs of positions start-K+1..start-1 and the delta-rule state after position start-1 (their ring
+    entries, position % ring size)."""
+    conv, ssm = state["gated_deltanet"]["conv"], state["gated_deltanet"]["ssm"]
+    inputs = [(start - lag) % conv.shape[2] for lag in range(K - 1, 0, -1)]
+    return {"conv": np.asarray(conv[:, slot, np.array(inputs)]),
+            "ssm": np.asarray(ssm[:, slot, (start - 1) % ssm.shape[2]])}
 
 
 @pytest.mark.parametrize("name", ["qwen3_5"])   # the MoE changes nothing here (qwen3_next: prefill, generate)
 def test_prefill_decode_and_verify_steps_keep_each_accepted_counts_state(models, hf_models, name):
-    """Ragged steps of two rows (prefill chunks, a decode token, a 1+k verify segment) give transformers' logits
-    at every token; committed at accepted count a (0..k), the slot holds plain decoding's state over the same
-    tokens, and the next step from it gives transformers' logits."""
-    hf, stepper, k = hf_models[name], Stepper(models[name]), 3
+    """Ragged steps of two rows (prefill chunks longer than the rings, a decode token, a 1+k verify segment) give
+    transformers' logits at every token; after the verify step, for each accepted count a (0..k), what a next
+    step starting after the a-th draft reads of the slot is plain decoding's state over the same tokens, and
+    that next step gives transformers' logits. Per slot and layer the state is k+1 delta-rule states and K-1+k
+    conv inputs, whatever the step's token count."""
+    hf, stepper, k = hf_models[name], Stepper(models[name]), K_SPEC
+    c = models[name].config
+    K, n_gdn = c.linear_conv_kernel_dim, c.layer_types.count("gated_deltanet")
     rng = np.random.default_rng(1)
-    a_seq, b_seq = [int(t) for t in rng.integers(0, 128, 9)], [int(t) for t in rng.integers(0, 128, 5)]
+    a_seq, b_seq = [int(t) for t in rng.integers(0, 128, 11)], [int(t) for t in rng.integers(0, 128, 5)]
     drafts = [int(t) for t in rng.integers(0, 128, k)]
     ref_a = hf_logits(hf, a_seq)
-    # step 1: prefill chunks of both rows (A's first chunk, B's whole prompt but its last token)
+    # step 1: prefill chunks of both rows (A's first chunk, longer than either ring; B's prompt but its last token)
     state = stepper.init()
-    logits, state = stepper(state, [(0, 0, a_seq[:5]), (2, 0, b_seq[:4])])
-    assert relative_error(logits[:5], ref_a[:5]) <= TOLERANCE
-    assert relative_error(logits[5:9], hf_logits(hf, b_seq[:4])) <= TOLERANCE
-    # step 2: A's second chunk (reads its slot's conv window and delta-rule state), B verifies [its token + k drafts]
-    logits, after = stepper(state, [(0, 5, a_seq[5:8]), (2, 4, b_seq[4:5] + drafts)])
-    assert relative_error(logits[:3], ref_a[5:8]) <= TOLERANCE
+    gdn = state["gated_deltanet"]
+    C = gdn["conv"].shape[-1]
+    assert gdn["conv"].shape == (n_gdn, SLOTS + 1, K - 1 + k, C)
+    assert gdn["ssm"].shape == (n_gdn, SLOTS + 1, k + 1, c.linear_num_value_heads, c.linear_key_head_dim,
+                                c.linear_value_head_dim)
+    logits, state = stepper(state, [(0, 0, a_seq[:7]), (2, 0, b_seq[:4])])
+    assert relative_error(logits[:7], ref_a[:7]) <= TOLERANCE
+    assert relative_error(logits[7:11], hf_logits(hf, b_seq[:4])) <= TOLERANCE
+    # step 2: A's second chunk (reads its slot's conv inputs and delta-rule state), B verifies [its token + k drafts]
+    logits, after = stepper(state, [(0, 7, a_seq[7:10]), (2, 4, b_seq[4:5] + drafts)])
+    assert relative_error(logits[:3], ref_a[7:10]) <= TOLERANCE
     ref_b = hf_logits(hf, b_seq + drafts)
     assert relative_error(logits[3:3 + k + 1], ref_b[4:]) <= TOLERANCE
     # step 3: A decodes one token
-    logits, _ = stepper(after, [(0, 8, a_seq[8:])])
-    assert relative_error(logits[:1], ref_a[8:]) <= TOLERANCE
+    logits, _ = stepper(after, [(0, 10, a_seq[10:])])
+    assert relative_error(logits[:1], ref_a[10:]) <= TOLERANCE
     for accepted in range(k + 1):
-        # the step keeps B's state after its last accepted token (index 3 + accepted in step 2's batch)
-        _, kept = stepper(state, [(0, 5, a_seq[5:8]), (2, 4, b_seq[4:5] + drafts)], keep=[2, 3 + accepted])
-        seq = b_seq + drafts[:accepted]
+        seq = b_seq + drafts[:accepted]          # B's tokens when the step accepted `accepted` drafts
         _, plain = stepper(stepper.init(), [(1, 0, seq)])              # plain decoding of the same tokens
-        want, got = slot_state(stepper, plain, 1), slot_state(stepper, kept, 2)
-        assert set(got) == {(kind, f) for kind in ["gated_deltanet"] for f in ("conv", "ssm")}
-        for key in want:
-            np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-5, err_msg=f"{key} a={accepted}")
-        # the next step (its KV past the accepted drafts rewritten) continues from it exactly
+        want, got = state_read_by_step_at(plain, 1, len(seq), K), state_read_by_step_at(after, 2, len(seq), K)
+        for field in want:
+            np.testing.assert_allclose(got[field], want[field], rtol=1e-5, atol=1e-5, err_msg=f"{field} a={accepted}")
+        # the next step starts after the accepted drafts (its KV past them rewritten) and continues exactly
         nxt = int(rng.integers(0, 128))
-        logits, _ = stepper(kept, [(2, len(seq), [nxt])])
+        logits, _ = stepper(after, [(2, len(seq), [nxt])])
         assert relative_error(logits[:1], hf_logits(hf, seq + [nxt])[-1:]) <= TOLERANCE
 
 
@@ -251,9 +261,204 @@ def perturbed(model: Model, noise: float, seed: int) -> Model:
     return dataclasses.replace(model, params=jax.tree_util.tree_unflatten(tree, moved), name=model.name + "-draft")
 
 
-@pytest.mark.parametrize("method", ["draft_model", "ngram"])
+# ---- MTP drafting: the mtp.* head written into copies of the tiny checkpoints ---------------------------------
+
+MTP_K = 3
+
+
+def mtp_layer_model(hybrid_dir, seed: int, gain: float = 1.0):
+    """transformers' own base model of the checkpoint's family with a single full-attention layer and O(1) random
+    weights: the MTP layer (its layers.0) and the MTP norm (its final norm). `gain` scales the layer's output
+    projections (attention and MLP/experts): below 1 the layer moves its input less."""
+    import torch
+    import transformers
+    cfg = transformers.AutoConfig.from_pretrained(str(hybrid_dir))
+    cfg.num_hidden_layers, cfg.layer_types = 1, ["full_attention"]
+    torch.manual_seed(seed)
+    model = transformers.AutoModel.from_config(cfg, dtype=torch.float32)
+    randomize_(model, seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight", "down_proj")):
+                p.mul_(gain)
+    return model.eval()
+
+
+def mtp_tensors(layer_model, tmp_dir, seed: int) -> dict:
+    """The mtp.* tensors of a checkpoint: the layer model's layer and final norm (named as save_pretrained writes
+    them), a random fc [D, 2D] and the two pre-fc norms (zero-centred weights)."""
+    from safetensors.numpy import load_file
+    layer_model.save_pretrained(str(tmp_dir))
+    saved = load_file(str(tmp_dir / "model.safetensors"))
+    tensors = {"mtp." + k: v for k, v in saved.items() if k.startswith(("layers.0.", "norm."))}
+    D = layer_model.config.hidden_size
+    rng = np.random.default_rng(seed)
+    tensors["mtp.fc.weight"] = (rng.standard_normal((D, 2 * D)) / np.sqrt(2 * D)).astype(np.float32)
+    for name in ("mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight"):
+        tensors[name] = (0.2 * rng.standard_normal(D)).astype(np.float32)
+    return tensors
+
+
+def checkpoint_with(src, dst, tensors: dict, drop: tuple = ()):
+    """A copy of the checkpoint directory `src` at `dst`, `tensors` added to its safetensors and `drop` left out."""
+    import shutil
+    from safetensors.numpy import load_file, save_file
+    shutil.copytree(src, dst)
+    merged = {k: v for k, v in {**load_file(str(dst / "model.safetensors")), **tensors}.items() if k not in drop}
+    save_file(merged, str(dst / "model.safetensors"))
+    return dst
+
+
+def fit_fc_to_the_targets_tokens(reference: MtpReference, sequences) -> np.ndarray:
+    """An fc [D, 2D] under which the head predicts the token two ahead on `sequences` (the target's greedy runs):
+    least squares from each pair's normed input z_p = [norm(embed(t_{p+1})); norm(h_p)] to the lm_head row of
+    t_{p+2}. With the layer damped the head's output points near that row, so many first drafts are the target's
+    own tokens and later ones often are not: partial acceptance."""
+    import torch
+    z, want = [], []
+    lm_head = reference.target.get_output_embeddings().weight.detach()
+    t = reference.t
+    for seq in sequences:
+        h = reference.target_hidden(seq)
+        with torch.no_grad():
+            emb = reference.target.get_input_embeddings()(torch.as_tensor(seq))
+        pair = torch.cat([zero_centred_rms_norm(emb[1:], t["mtp.pre_fc_norm_embedding.weight"], reference.eps),
+                          zero_centred_rms_norm(h[:-1], t["mtp.pre_fc_norm_hidden.weight"], reference.eps)], -1)
+        z.append(pair[:-1].numpy())
+        want.append(lm_head[torch.as_tensor(seq[2:])].numpy())
+    fc, *_ = np.linalg.lstsq(np.concatenate(z), np.concatenate(want), rcond=None)
+    return np.ascontiguousarray(fc.T, np.float32)   # C order: safetensors writes the buffer as it lies
+
+
+@pytest.fixture(scope="module")
+def mtp_checkpoints(hybrid_dirs, hf_models, greedy_refs, tmp_path_factory):
+    """name -> (directory, MtpReference): "qwen3_5" and "qwen3_next" with a random MTP head at full gain (the
+    forward check), "qwen3_5_fitted" with a damped layer and an fc fitted to the target's greedy runs of PROMPTS
+    (drafts accepted, some)."""
+    root = tmp_path_factory.mktemp("mtp")
+    out = {}
+    for i, (name, gain) in enumerate([("qwen3_5", 1.0), ("qwen3_next", 1.0), ("qwen3_5_fitted", 0.1)]):
+        family = name.removesuffix("_fitted")
+        layer_model = mtp_layer_model(hybrid_dirs[family], seed=10 + i, gain=gain)
+        tensors = mtp_tensors(layer_model, root / f"{name}-layer", seed=20 + i)
+        reference = MtpReference(hf_models[family], layer_model, tensors)
+        if name.endswith("_fitted"):
+            runs = [p + g for p, g in zip(PROMPTS, greedy_refs[family])]
+            tensors["mtp.fc.weight"] = fit_fc_to_the_targets_tokens(reference, runs)
+            reference = MtpReference(hf_models[family], layer_model, tensors)
+        out[name] = (checkpoint_with(hybrid_dirs[family], root / name, tensors), reference)
+    return out
+
+
+def dense_pairs_batch(n: int) -> ForwardBatch:
+    """One unpaged sequence of n tokens, position p at KV slot p."""
+    positions = jnp.arange(n, dtype=jnp.int32)
+    return ForwardBatch(positions, positions, positions, jnp.zeros(n, jnp.int32), jnp.zeros((1, 1), jnp.int32),
+                        positions)
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "qwen3_next"])
+def test_mtp_head_matches_the_reference(mtp_checkpoints, name):
+    """The MTP head loaded from the checkpoint's mtp.* tensors gives the reference's logits on every pair (target
+    hidden p, token p+1) of a sequence: fc over the two normed inputs, the full-attention layer (dense MLP for
+    Qwen3.5, MoE for Qwen3-Next), the final norm and the target's lm_head."""
+    from jaxspec.decode.drafters.mtp import load_mtp_head
+    path, reference = mtp_checkpoints[name]
+    target = load_model(path, dtype="float32")
+    head, params = load_mtp_head(path, target.config, jnp.float32)
+    ids = [int(t) for t in np.random.default_rng(3).integers(0, DIMS["vocab_size"], 20)]
+    n = len(ids) - 1
+
+    @jax.jit
+    def pair_logits(target_params, params, ids):
+        _, hidden, _ = Decoder(target.config).dense_forward(target_params, ids)             # after the final norm
+        kv = schema.initialize(head.state_schema(CacheShape(num_kv_slots=n, num_slots=1)), jnp.float32)["attention"]
+        batch = dense_pairs_batch(n)._replace(token_ids=ids[1:])
+        out, _ = head.forward(Ops(attention="dense", block_size=n), params, target_params, kv, ids[1:],
+                              hidden[:-1], batch)
+        return head.logits(params, target_params, out)
+
+    got = pair_logits(target.params, params, jnp.asarray(ids, jnp.int32))
+    assert relative_error(got, reference.pair_logits(ids)) <= TOLERANCE
+
+
+def dense_greedy(model: Model, seq, n: int, length: int = ENGINE["max_model_len"]) -> list[int]:
+    """The model's n greedy next tokens after `seq` by the dense forward (no paging, no steps; checked against
+    transformers above), the sequence padded to `length` so that one compilation serves every prefix."""
+    seq = list(seq)
+    for _ in range(n):
+        ids = np.zeros(length, np.int32)
+        ids[:len(seq)] = seq
+        seq.append(int(np.argmax(np.asarray(Decoder(model.config).score(model.params, ids))[len(seq) - 1])))
+    return seq[-n:]
+
+
+@pytest.mark.parametrize("method,delta_rule", [("mtp", "reference"), ("draft_model", "reference"), ("mtp", "pallas")])
+def test_drafts_match_a_reference_after_every_step(models, mtp_checkpoints, method, delta_rule):
+    """Two requests (a 3-token prompt, a 9-token one prefilled in chunks), sync: after every step the drafts the
+    device holds for each are the reference's greedy proposals over the sequence so far, through partial
+    acceptance. MTP: the reference head (its own output fed back for the later drafts), through the head's KV,
+    the feature each slot saved and the target's rings. A draft model that is itself a hybrid: its dense greedy
+    continuation, through its own rings (written by the folded pass and by the speculative single-token passes).
+    With the Pallas delta-rule kernel (interpreted on a CPU) in place of the scan, the same."""
+    if method == "mtp":
+        path, reference = mtp_checkpoints["qwen3_5_fitted"]
+        target, spec, propose = load_model(path, dtype="float32"), {}, reference.greedy_drafts
+    else:
+        target = models["qwen3_5"]
+        draft = perturbed(target, 0.1, seed=5)
+        spec = dict(model=draft)
+        propose = functools.partial(dense_greedy, draft)
+    llm = LLM(target, **ENGINE, max_num_batched_tokens=8, num_kv_blocks=13, async_scheduling=False, warmup=False,
+              speculative_config=dict(method=method, num_speculative_tokens=MTP_K, **spec), delta_rule=delta_rule)
+    engine = llm.engine
+    # the short prompt first: its row is row 0, which also holds the batch's padding
+    reqs = [engine.add_request(PROMPTS[i], SamplingParams(temperature=0, max_tokens=MAX_TOKENS[i], ignore_eos=True))
+            for i in (1, 0)]
+    checked = 0
+    while not all(r.finished for r in reqs):
+        engine.step()
+        for r in reqs:
+            if r.output_token_ids and not r.finished:
+                seq = r.prompt_token_ids + r.output_token_ids
+                drafts = np.asarray(engine.runner.state.drafts)[r.slot].tolist()
+                assert drafts == propose(seq, MTP_K), f"request {r.request_id} after {len(seq)} tokens"
+                checked += 1
+    assert checked >= 8
+    spec = llm.stats()["spec"]
+    assert 0 < spec["accepted_tokens"] < spec["draft_tokens"], spec
+
+
+def test_mtp_needs_the_checkpoints_mtp_weights(hybrid_dirs, models, mtp_checkpoints, tmp_path):
+    """method "mtp" is refused, naming the checkpoint and what it lacks, for a checkpoint without mtp.* tensors or
+    with one missing, a target not loaded from a directory, and a target that is not a hybrid; params given in
+    place of a checkpoint are checked against the head's declaration."""
+    from conftest import random_model
+    from jaxspec.decode.drafters.mtp import random_mtp_params
+    from jaxspec.spec import SpeculativeConfig, build_drafter
+    spec = SpeculativeConfig(method="mtp", num_speculative_tokens=2)
+    with pytest.raises(ValueError, match=f"{hybrid_dirs['qwen3_5']}.*has no MTP weights"):
+        build_drafter(spec, models["qwen3_5"])
+    path, _ = mtp_checkpoints["qwen3_5"]
+    partial = checkpoint_with(path, tmp_path / "partial", {}, drop=("mtp.norm.weight",))
+    with pytest.raises(ValueError, match=r"partial.*lacks MTP tensor\(s\) \['mtp.norm.weight'\]"):
+        build_drafter(spec, load_model(partial, dtype="float32"))
+    with pytest.raises(ValueError, match="was not loaded from one"):
+        build_drafter(spec, dataclasses.replace(models["qwen3_5"], source=None))
+    with pytest.raises(ValueError, match="needs a Qwen3-Next or Qwen3.5 target.*'llama'"):
+        build_drafter(spec, random_model(0))
+    # benchmarks on random weights pass the head's params; they must be the declared ones
+    params = random_mtp_params(models["qwen3_5"].config, "float32")
+    drafter, got = build_drafter(dataclasses.replace(spec, model=params), models["qwen3_5"])
+    assert drafter.method == "mtp" and got is params
+    params["layers"]["gated_attention"]["o_proj"] = params["layers"]["gated_attention"]["o_proj"][:, :4]
+    with pytest.raises(ValueError, match=r"the MTP params\['layers'\]\['gated_attention'\]\['o_proj'\] has shape"):
+        build_drafter(dataclasses.replace(spec, model=params), models["qwen3_5"])
+
+
+@pytest.mark.parametrize("method", ["draft_model", "ngram", "mtp"])
 def test_speculation_async_equals_sync_equals_greedy_under_preemption_and_chunked_prefill(
-        models, greedy_refs, method):
+        models, greedy_refs, mtp_checkpoints, method):
     """Qwen3.5 hybrid target, k=3, drafts partly rejected, prefill in chunks of 8 tokens, requests finishing and
     joining every few steps (rows move): every token is plain greedy's, async and sync, and async with a KV pool
     so small that requests are preempted and recomputed. Without preemption (whose points differ between async
@@ -261,7 +466,9 @@ def test_speculation_async_equals_sync_equals_greedy_under_preemption_and_chunke
     and per draft position. One pool size for all runs: one compilation."""
     target = models["qwen3_5"]
     spec = dict(method=method, num_speculative_tokens=3)
-    if method == "draft_model":
+    if method == "mtp":   # the same target weights, its checkpoint with the fitted MTP head
+        target = load_model(mtp_checkpoints["qwen3_5_fitted"][0], dtype="float32")
+    elif method == "draft_model":
         spec["model"] = perturbed(target, 0.1, seed=5)
     else:   # a random model repeats little: match down to one token so that some drafts are accepted
         spec.update(prompt_lookup_min=1, prompt_lookup_max=3)

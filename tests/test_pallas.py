@@ -118,3 +118,48 @@ def test_slot_mapping_sentinel_is_dropped_by_kv_write():
     np.testing.assert_array_equal(np.asarray(slots), [8, 11, 0, 5, 6, 12, 12])
     kv = jnp.zeros((12,), jnp.int32).at[slots].set(jnp.arange(1, 8), mode="drop")
     np.testing.assert_array_equal(np.asarray(kv), [3, 0, 0, 0, 0, 4, 5, 0, 1, 0, 0, 2])
+
+
+def ragged_delta_rule_inputs(seed: int):
+    """A ragged step over a ring of W = 3 entries per slot: a prefill chunk longer than the ring (slot 0, from
+    position 5), a fresh row (slot 2, position 0), a decode row (slot 1), a padding row with no tokens (trash
+    slot 3), then padding tokens on row 0 that keep no state. -> (ForwardBatch, q, k, v, beta, g, ring, real)."""
+    from jaxspec.nn.ops import ForwardBatch
+    rng = np.random.default_rng(seed)
+    Hv, dk, dv, W, slots, T = 4, 8, 8, 3, 4, 16
+    rows = [(0, 5, 7), (2, 0, 3), (1, 9, 1)]                     # (slot, first position, tokens)
+    pos, row_of, first, slot_of = [], [], [], []
+    for r, (slot, p0, n) in enumerate(rows):
+        first.append(len(pos))
+        slot_of.append(slot)
+        pos += range(p0, p0 + n)
+        row_of += [r] * n
+    real = len(pos)
+    first.append(real)
+    slot_of.append(slots - 1)
+    pos += [4] * (T - real)
+    row_of += [0] * (T - real)
+    i32 = lambda x: jnp.asarray(np.asarray(x), jnp.int32)   # noqa: E731
+    batch = ForwardBatch(i32(np.zeros(T)), i32(pos), i32(pos), i32(row_of), i32(np.zeros((len(first), 1))),
+                         i32(np.arange(T)), slot_of_row=i32(slot_of), first_token_of_row=i32(first),
+                         writes_state=jnp.arange(T) < real)
+    f32 = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)   # noqa: E731
+    k = f32(T, Hv, dk)
+    k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
+    return (batch, f32(T, Hv, dk), k, f32(T, Hv, dv), jax.nn.sigmoid(f32(T, Hv)), -jax.nn.softplus(f32(T, Hv)),
+            f32(2, slots, W, Hv, dk, dv), real)
+
+
+def test_delta_rule_kernel_matches_the_scan():
+    """The recurrent kernel gives the plain-JAX scan's outputs at every token that keeps state and the same ring
+    after the step (each row started from its entry, its last W states written, nothing else touched), for
+    either layer of a stacked ring."""
+    from jaxspec.nn.layers import delta_rule_scan
+    from jaxspec.pallas.delta_rule import delta_rule_fn
+    batch, q, k, v, beta, g, ring, real = ragged_delta_rule_inputs(0)
+    for layer in (0, 1):
+        want_o, want_ring = jax.jit(delta_rule_scan)(ring, layer, batch, q, k, v, beta, g)
+        o, got_ring = jax.jit(delta_rule_fn)(ring, layer, batch, q, k, v, beta, g)
+        np.testing.assert_allclose(np.asarray(o[:real]), np.asarray(want_o[:real]), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(got_ring), np.asarray(want_ring), rtol=1e-5, atol=1e-5)
+        assert not np.allclose(np.asarray(got_ring), np.asarray(ring))   # the step did write entries

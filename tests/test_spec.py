@@ -230,7 +230,7 @@ def engine_head_pair_logits(target, drafter, dparams, ids):
     dense = Ops(attention="dense", block_size=N)
     model, head = Decoder(target.config, dense), drafter.head
     state = schema.initialize(model.state_schema(CacheShape(num_kv_slots=N, num_slots=1)), jnp.float32)
-    _, hidden, aux, _, _ = model.forward(target.params, state, dense_batch(ids, jnp.arange(N), N),
+    _, hidden, aux, _ = model.forward(target.params, state, dense_batch(ids, jnp.arange(N), N),
                                          drafter.aux_layers)
     kv = schema.initialize(head.state_schema(CacheShape(num_kv_slots=N, num_slots=1)), jnp.float32)["attention"]
     out, _ = head.forward(dense, dparams, target.params, kv, ids[1:], head.features(dparams, hidden, aux)[:-1],

@@ -37,7 +37,8 @@ class StepConfig:
 
     @property
     def cache_shape(self) -> CacheShape:
-        return CacheShape(num_kv_slots=self.num_blocks * self.block_size, num_slots=self.num_slots + 1)
+        return CacheShape(num_kv_slots=self.num_blocks * self.block_size, num_slots=self.num_slots + 1,
+                          num_speculative_tokens=self.num_speculative_tokens)
 
 
 @flax.struct.dataclass

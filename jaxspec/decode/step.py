@@ -6,8 +6,9 @@
                  before it) and the tokens it allows there
     logprobs  <- the processed distribution at each row's last real token and at every draft (grammar-masked)
     emitted   <- sampled, or the drafts verified by rejection sampling
-    state     <- committed: accepted counts, history, per-slot layer state, the automaton state after the
-                 emitted tokens (accepted drafts and the correction or bonus, never a rejected draft)
+    state     <- committed: accepted counts, history, the automaton state after the emitted tokens (accepted
+                 drafts and the correction or bonus, never a rejected draft); per-slot layer state was kept
+                 by the forward
     drafts    <- the drafter proposes the next k per row (inside the grammar, for drafters that have logits)
 
 Positions, input ids and the KV slot mapping come from the device's own counts, so the host can plan a step
@@ -112,7 +113,7 @@ def step(target, drafter, sc: StepConfig, variant: StepVariant, params, drafter_
     K, V = variant.draft_width(sc), target.config.vocab_size
     tok = tokens_from_state(sc, K, state, inp, V)
     aux_layers = drafter.aux_layers if drafter is not None else ()
-    logits, hidden, aux, layers, slot_updates = target.forward(params, state.layers, tok.batch, aux_layers)
+    logits, hidden, aux, layers = target.forward(params, state.layers, tok.batch, aux_layers)
     raw_logits = logits.reshape(-1, K + 1, V)                                               # [R, K+1, V]
     st = sampling_tensors(inp)
     positions = grammar_positions(grammar_table, state, tok, inp, V) if variant.grammar else None
@@ -120,8 +121,8 @@ def step(target, drafter, sc: StepConfig, variant: StepVariant, params, drafter_
     keys = position_keys(inp, tok.base, K + 1)                                              # [R, K+1]
     emitted, num_accepted = sample_or_verify(variant, logprobs, st, tok.draft_ids, inp.rows["num_drafts"],
                                              draft_logprobs(state, tok.slot, drafter, K), keys)
-    state, emitted, num_accepted, num_tokens, last_final = commit(
-        target, sc, K, state, tok, inp, emitted, num_accepted, layers, slot_updates)
+    state, emitted, num_accepted, num_tokens, last_final = commit(sc, K, state, tok, inp, emitted, num_accepted,
+                                                                  layers)
     draft_grammar = None
     if variant.grammar:
         state, draft_grammar = commit_grammar(grammar_table, state, tok, inp, positions, emitted, num_accepted)
@@ -169,7 +170,7 @@ def tokens_from_state(sc: StepConfig, K: int, state: DecodeState, inp: DeviceInp
     last_real = rows["first_token"] + num_new - 1 - num_drafts
     logits_idx = jnp.clip(last_real[:, None] + jnp.arange(K + 1)[None, :], 0, T - 1).reshape(-1)   # [R*(K+1)]
     batch = ForwardBatch(ids, pos, kv_slots, t["row"], inp.block_tables, logits_idx, slot_of_row=slot,
-                         first_token_of_row=rows["first_token"])
+                         first_token_of_row=rows["first_token"], writes_state=valid)
     return Tokens(batch, valid, history, slot, start, start + num_new - num_drafts, draft_ids)
 
 
@@ -296,10 +297,11 @@ def draft_logprobs(state: DecodeState, slot, drafter, K: int):
     return state.drafter["draft_logprobs"][slot][:, :K]
 
 
-def commit(target, sc: StepConfig, K: int, state: DecodeState, tok: Tokens, inp: DeviceInputs, emitted,
-           num_accepted, layers, slot_updates):
-    """The device's authoritative counts: accepted drafts extend the KV, emitted tokens extend the history,
-    per-slot layer state keeps its value after the row's last token whose KV is final.
+def commit(sc: StepConfig, K: int, state: DecodeState, tok: Tokens, inp: DeviceInputs, emitted, num_accepted,
+           layers):
+    """The device's authoritative counts: accepted drafts extend the KV, emitted tokens extend the history.
+    Per-slot layer state needs no commit: the forward kept it after each of the row's last k+1 positions, and
+    the next step starts from num_computed, so it reads the entry after the last accepted token.
     -> (state, emitted, num_accepted, num_tokens [R], last_final [R] index in T)."""
     H = sc.history_len
     rows = inp.rows
@@ -313,7 +315,6 @@ def commit(target, sc: StepConfig, K: int, state: DecodeState, tok: Tokens, inp:
     history = tok.history.at[tok.slot[:, None], jnp.where(write, tok.base[:, None] + j, H)].set(emitted, mode="drop")
     T = tok.valid.shape[0]
     last_final = jnp.clip(rows["first_token"] + num_computed - 1 - tok.start, 0, T - 1)
-    layers = target.commit(layers, slot_updates, tok.slot, last_final)
     state = state.replace(layers=layers, history=history, num_tokens=state.num_tokens.at[tok.slot].set(num_tokens),
                           num_computed=state.num_computed.at[tok.slot].set(num_computed))
     return state, emitted, num_accepted, num_tokens, last_final

@@ -118,4 +118,4 @@ def load_hf_dir(path: str | os.PathLike, dtype="bfloat16") -> Model:
     if tokenizer is not None:
         eos_ids = tuple(dict.fromkeys((*config.eos_token_ids, *tokenizer.eos_token_ids)))
         config = dataclasses.replace(config, eos_token_ids=eos_ids)
-    return Model(config=config, params=params, tokenizer=tokenizer, name=path.name, dtype=dtype)
+    return Model(config=config, params=params, tokenizer=tokenizer, name=path.name, dtype=dtype, source=str(path))

@@ -16,6 +16,7 @@ class Model:
     tokenizer: Any = None  # jaxspec.models.tokenizer.Tokenizer, or None for a weights-only model
     name: str = ""
     dtype: str = "float32"
+    source: str | None = None  # the HF directory it was loaded from (MTP drafting reads its mtp.* tensors there)
 
     def score(self, token_ids) -> np.ndarray:
         """Logits [T, vocab] of a dense causal forward over `token_ids` (no KV cache)."""

@@ -73,57 +73,43 @@ class Decoder:
     # ---- the forward --------------------------------------------------------------------------------
     def forward(self, params: dict, state: dict, batch: ForwardBatch, aux_layers: tuple[int, ...] = ()):
         """-> (logits f32[N, V] at batch.logits_indices, hidden [T, D] after the final norm, aux [len(aux_layers),
-        T, D] residual stream after each chosen layer (or None), new state, slot_updates {kind: {field:
-        [n, T, ...]}} for the per-slot fields, to be committed with `commit`)."""
+        T, D] residual stream after each chosen layer (or None), new state: this step's KV and per-slot ring
+        entries written)."""
         c, ops = self.config, self.ops
         h = params["embed"][jnp.clip(batch.token_ids, 0, c.vocab_size - 1)]            # [T, D]
         state = {k: dict(v) for k, v in state.items()}
         after: dict[int, jax.Array] = {}
-        updates: dict[str, list] = {}
         for kind_name, first, count, g in self.runs():
             kind, lp_all, st = LAYER_KINDS[kind_name], params["layers"][kind_name], state[kind_name]
             if ops.unroll or count == 1:
                 for j in range(count):
                     lp = {name: w[first + j] for name, w in lp_all.items()}
-                    h, st, upd = kind(c, ops, lp, h, st, first + j, batch)
+                    h, st = kind(c, ops, lp, h, st, first + j, batch)
                     after[g + j] = h
-                    updates.setdefault(kind_name, []).append(jax.tree_util.tree_map(lambda x: x[None], upd))
             else:   # scanned: one layer body to compile
                 wanted = [a - g for a in aux_layers if g <= a < g + count]
 
                 def body(carry, xs, kind=kind):
                     h, st = carry
                     lp, i = xs
-                    h, st, upd = kind(c, ops, lp, h, st, i, batch)
-                    return (h, st), (h if wanted else None, upd)
+                    h, st = kind(c, ops, lp, h, st, i, batch)
+                    return (h, st), h if wanted else None
 
                 xs = ({name: w[first:first + count] for name, w in lp_all.items()},
                       jnp.arange(first, first + count, dtype=jnp.int32))
-                (h, st), (hs, upd) = jax.lax.scan(body, (h, st), xs)
+                (h, st), hs = jax.lax.scan(body, (h, st), xs)
                 after.update({g + j: hs[j] for j in wanted})
-                updates.setdefault(kind_name, []).append(upd)
             state[kind_name] = st
         aux = jnp.stack([after[a] for a in aux_layers]) if aux_layers else None
         hidden = rms_norm(h, params["final_norm"], c.rms_norm_eps)
         logits = self.logits(params, hidden[batch.logits_indices])
-        slot_updates = {k: jax.tree_util.tree_map(lambda *xs: jnp.concatenate(xs), *parts)
-                        for k, parts in updates.items() if parts and parts[0]}
-        return logits, hidden, aux, state, slot_updates
+        return logits, hidden, aux, state
 
     @staticmethod
     def logits(params: dict, hidden):
         """hidden [N, D] -> f32 logits [N, V] (tied embeddings when there is no lm_head)."""
         head = params.get("lm_head", params["embed"])
         return jnp.einsum("nd,vd->nv", hidden, head, preferred_element_type=jnp.float32)
-
-    def commit(self, state: dict, slot_updates: dict, slot, token_index):
-        """Per-slot state after this step: slot[r] keeps its state after token token_index[r] (the row's last
-        token whose KV is final: a prefill chunk's last, or a verify row's last accepted)."""
-        state = {k: dict(v) for k, v in state.items()}
-        for kind, fields in slot_updates.items():
-            for name, per_token in fields.items():                                   # [n, T, ...]
-                state[kind][name] = state[kind][name].at[:, slot].set(per_token[:, token_index])
-        return state
 
     def per_slot_fields(self, cache: CacheShape) -> dict[str, list[str]]:
         return {k: per_slot_fields(LAYER_KINDS[k].state(self.config, cache)) for k in self.kinds}
@@ -139,7 +125,7 @@ class Decoder:
         zero = jnp.zeros((1,), jnp.int32)
         batch = ForwardBatch(token_ids, positions, positions, jnp.zeros(T, jnp.int32), jnp.zeros((1, 1), jnp.int32),
                              positions, slot_of_row=zero, first_token_of_row=zero)
-        logits, hidden, aux, _, _ = dense.forward(params, state, batch, aux_layers)
+        logits, hidden, aux, _ = dense.forward(params, state, batch, aux_layers)
         return logits, hidden, aux
 
     @functools.partial(jax.jit, static_argnums=0)

@@ -1,13 +1,16 @@
 """The layer library: each kind of decoder layer is one function plus the declaration of its weights and of the
-state it keeps. The target's decoder, the draft model and the EAGLE heads are all built from these.
+state it keeps. The target's decoder, the draft model and the EAGLE / MTP heads are all built from these.
 
 A layer kind's state is declared per layer; its axes say how the step treats it:
   - a field whose first axis is `kv_slots` is paged (the KV pool): the layer writes it in place at the
     batch's slot mapping; positions past the accepted drafts are overwritten by a later step;
-  - a field whose first axis is `slots` is per request slot (a recurrent state): the layer reads the slot's
-    state and returns its value after every token of the step (`slot_updates`, [T, ...]); the step then keeps,
-    for each row, the value after the row's last accepted token (`Decoder.commit`). That is how a state that
-    cannot be overwritten later is rolled back past rejected drafts.
+  - a field whose first axis is `slots` is per request slot (a recurrent state), kept as a ring by position:
+    entry p % size holds what the slot had after position p (`write_ring`, for the last `size` positions of
+    each row), and a row starting at position p0 reads entry (p0 - 1) % size (`read_ring`). The start
+    comes from the device's own count (its last accepted token), so the entry read is the state after the
+    accepted tokens, whichever of the step's last k+1 positions that was: a state that cannot be overwritten
+    later, as KV is, is rolled back past rejected drafts by reading an earlier entry. A state is `snapshots`
+    = k+1 entries (`CacheShape.snapshots`); a window of the last K inputs, K-1+k.
 
 `LAYER_KINDS` is the public table: a new kind registered there can be named in `ModelConfig.layer_types`,
 with no edit to the decoder, the step or the engine.
@@ -26,9 +29,16 @@ from jaxspec.nn.schema import Spec
 
 @dataclasses.dataclass(frozen=True)
 class CacheShape:
-    """What a layer's state is sized by: flat KV slots of the paged pool, request slots (+1 trash slot)."""
+    """What a layer's state is sized by: flat KV slots of the paged pool, request slots (+1 trash slot), and
+    the drafts a step verifies at most (k: a per-slot state keeps the value after each of the last k+1
+    positions, any of which the next step may start after)."""
     num_kv_slots: int
     num_slots: int
+    num_speculative_tokens: int = 0
+
+    @property
+    def snapshots(self) -> int:
+        return self.num_speculative_tokens + 1
 
 
 class LayerKind(Protocol):
@@ -41,8 +51,42 @@ class LayerKind(Protocol):
         """One layer's state (first axis `kv_slots`: paged; `slots`: per request slot)."""
 
     def __call__(self, c, ops: Ops, lp: dict, h, state: dict, i, batch: ForwardBatch):
-        """h [T, D] -> (h [T, D], state, slot_updates {field: [T, ...]}). `lp`: this layer's weights; `state`:
-        every layer of this kind's state ([n, ...] per field), `i` this layer's index among them."""
+        """h [T, D] -> (h [T, D], state with this step's KV and per-slot entries written). `lp`: this layer's
+        weights; `state`: every layer of this kind's state ([n, ...] per field), `i` this layer's index among
+        them."""
+
+
+# ---- per-slot state kept as a ring by position -------------------------------------------------------------
+
+def snapshot_spec(cache: CacheShape, shape: tuple, axes: tuple, dtype=None) -> Spec:
+    """A per-slot state of `shape`, kept after each of the slot's last k+1 positions: [slots, k+1, *shape]."""
+    return Spec((cache.num_slots, cache.snapshots, *shape), ("slots", None, *axes), "zeros", dtype)
+
+
+def ring_writers(batch: ForwardBatch, size: int):
+    """bool[T]: the tokens that write their ring entry, those that extend their sequence (`writes_state`)
+    among the last `size` positions of their row. Earlier ones would be overwritten in the same step: one
+    write per entry, so the scatter has no duplicate index."""
+    written = jnp.ones_like(batch.positions, bool) if batch.writes_state is None else batch.writes_state
+    num_rows = batch.block_tables.shape[0]
+    last = jax.ops.segment_max(jnp.where(written, batch.positions, -1), batch.row_of_token, num_segments=num_rows)
+    return written & (batch.positions > last[batch.row_of_token] - size)
+
+
+def write_ring(ring, i, batch: ForwardBatch, values):
+    """ring [n, slots, size, ...] with layer i's entries at each writing token's (slot, position % size) set to
+    its value [T, ...]; the other tokens write nothing (an out-of-range slot, dropped)."""
+    size, nowhere = ring.shape[2], ring.shape[1]
+    slot = jnp.where(ring_writers(batch, size), batch.slot_of_row[batch.row_of_token], nowhere)
+    return ring.at[i, slot, batch.positions % size].set(values.astype(ring.dtype), mode="drop")
+
+
+def read_ring(ring, i, slot, position):
+    """Layer i's entries at (slot, position % size) [..., *entry]; zeros for positions < 0 (before a sequence's
+    first token). `slot` and `position` broadcast together."""
+    entry = ring[i, slot, position % ring.shape[2]]
+    before_start = (position < 0).reshape(position.shape + (1,) * (entry.ndim - position.ndim))
+    return jnp.where(before_start, jnp.zeros_like(entry), entry)
 
 
 # ---- blocks shared by every layer kind and the EAGLE heads -------------------------------------------------
@@ -131,7 +175,7 @@ class Attention:
 
     def __call__(self, c, ops, lp, h, state, i, batch):
         attn, state = attention(c, ops, lp, rms_norm(h, lp["attn_norm"], c.rms_norm_eps), state, i, batch)
-        return mlp(c, lp, h + attn), state, {}
+        return mlp(c, lp, h + attn), state
 
 
 # ---- hybrids: Qwen3-Next and Qwen3.5 (Gated DeltaNet + gated full attention, dense MLP or MoE) ---------------
@@ -227,7 +271,7 @@ class GatedAttention:
         out = ops.attend(q, state["k"], state["v"], i, batch).astype(h.dtype)          # [T, Hq*hd]
         out = out * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(h.dtype)
         h = h + out @ lp["o_proj"].T
-        return ffn(c, lp, h), state, {}
+        return ffn(c, lp, h), state
 
 
 def l2_normalize(x, eps: float = 1e-6):
@@ -244,10 +288,14 @@ class GatedDeltaNet:
         S_t = a_t S_{t-1} (I - beta_t k_t k_t^T) + beta_t v_t k_t^T;   o_t = S_t q_t   (S: per slot, fp32)
         h += out_proj(RMSNorm(o) * silu(z))
 
-    Per-slot state: `conv` [slots, K-1, C], the row's last K-1 conv inputs; `ssm` [slots, Hv, dk, dv] fp32. Both
-    are returned after every token (`slot_updates`), so the step keeps them at each row's last accepted token.
-    The recurrence is a plain scan over the step's tokens that restarts at each row's first token (from the
-    slot's state, or zeros at position 0): the reference form, exact for prefill chunks, decode and verify.
+    Per-slot state, rings by position (see the module docstring): `conv` [slots, K-1+k, C], the slot's last
+    K-1+k conv inputs, so that the K-1 before any of the step's last k+1 positions are there; `ssm` [slots,
+    k+1, Hv, dk, dv] fp32, S after each of the slot's last k+1 positions. Per slot and layer that is (k+1)
+    delta-rule states and K-1+k conv inputs, whatever the step's token count: a prefill chunk keeps only the
+    states after its last k+1 positions (and the next step reads the last). The recurrence is a plain scan
+    over the step's tokens that restarts at each row's first token from the entry its start selects (zeros at
+    position 0), writing S into the ring in place: the reference form, exact for prefill chunks, decode and
+    verify.
     """
     name = "gated_deltanet"
 
@@ -269,58 +317,79 @@ class GatedDeltaNet:
 
     def state(self, c, cache):
         Hk, Hv, dk, dv, C = self.dims(c)
-        return {"conv": Spec((cache.num_slots, c.linear_conv_kernel_dim - 1, C), ("slots", None, None), "zeros"),
-                "ssm": Spec((cache.num_slots, Hv, dk, dv), ("slots", None, None, None), "zeros", jnp.float32)}
+        inputs = c.linear_conv_kernel_dim - 1 + cache.num_speculative_tokens
+        return {"conv": Spec((cache.num_slots, inputs, C), ("slots", None, None), "zeros"),
+                "ssm": snapshot_spec(cache, (Hv, dk, dv), (None, None, None), jnp.float32)}
 
     def __call__(self, c, ops, lp, h, state, i, batch):
         T = h.shape[0]
         Hk, Hv, dk, dv, C = self.dims(c)
-        K = c.linear_conv_kernel_dim
         x = rms_norm(h, lp["attn_norm"], c.rms_norm_eps)
-        proj = x @ lp["in_proj"].T
-        qkv, z, b, a = jnp.split(proj, [C, C + Hv * dv, C + Hv * dv + Hv], axis=-1)
-        # The causal conv: token t's window is its row's last K inputs; those before the row's first token
-        # come from the slot's window (zeros at position 0).
-        row = batch.row_of_token
-        first = batch.first_token_of_row[row]                                           # [T]
-        d = jnp.arange(T, dtype=jnp.int32) - first                                      # index in its row
-        start = segment_start_state(state["conv"][i], batch, T)                         # [T, K-1, C]
-        cols = []
-        for lag in range(K - 1, 0, -1):
-            inside = (d >= lag)[:, None]
-            from_step = qkv[jnp.clip(jnp.arange(T) - lag, 0, T - 1)]
-            from_slot = jnp.take_along_axis(start, jnp.clip(K - 1 - lag + d, 0, K - 2)[:, None, None], axis=1)[:, 0]
-            cols.append(jnp.where(inside, from_step, from_slot.astype(qkv.dtype)))
-        window = jnp.stack(cols + [qkv], axis=1)                                        # [T, K, C]
+        qkv, z, b, a = jnp.split(x @ lp["in_proj"].T, [C, C + Hv * dv, C + Hv * dv + Hv], axis=-1)
+        window = conv_window(state["conv"], i, batch, qkv, c.linear_conv_kernel_dim)      # [T, K, C]
         conv = jnp.einsum("tkc,kc->tc", window.astype(jnp.float32), lp["conv_weight"].astype(jnp.float32))
-        conv = jax.nn.silu(conv)
-        q, k, v = jnp.split(conv, [Hk * dk, 2 * Hk * dk], axis=-1)
+        q, k, v = jnp.split(jax.nn.silu(conv), [Hk * dk, 2 * Hk * dk], axis=-1)
         q = l2_normalize(q.reshape(T, Hk, dk)) * dk ** -0.5
         k = l2_normalize(k.reshape(T, Hk, dk))
         q, k = jnp.repeat(q, Hv // Hk, axis=1), jnp.repeat(k, Hv // Hk, axis=1)        # [T, Hv, dk]
-        v = v.reshape(T, Hv, dv)
         beta = jax.nn.sigmoid(b.astype(jnp.float32))                                    # [T, Hv]
         g = -jnp.exp(lp["A_log"].astype(jnp.float32)) * jax.nn.softplus(
             a.astype(jnp.float32) + lp["dt_bias"].astype(jnp.float32))
-        ssm = state["ssm"][i]                                                           # [slots, Hv, dk, dv]
-        slot_t = batch.slot_of_row[row]
-        fresh = batch.positions[first] == 0
-
-        def token(S, xs):
-            q_t, k_t, v_t, beta_t, g_t, restart, fresh_t, slot = xs
-            S = jnp.where(restart, jnp.where(fresh_t, 0.0, ssm[slot]), S)
-            S = S * jnp.exp(g_t)[:, None, None]
-            delta = (v_t - jnp.einsum("hkv,hk->hv", S, k_t)) * beta_t[:, None]
-            S = S + k_t[:, :, None] * delta[:, None, :]
-            return S, (jnp.einsum("hkv,hk->hv", S, q_t), S)
-
-        _, (o, S_all) = jax.lax.scan(token, jnp.zeros((Hv, dk, dv), jnp.float32),
-                                     (q, k, v, beta, g, d == 0, fresh, slot_t))
+        o, ssm = delta_rule(ops)(state["ssm"], i, batch, q, k, v.reshape(T, Hv, dv), beta, g)
+        state = {**state, "conv": write_ring(state["conv"], i, batch, qkv), "ssm": ssm}
         o = rms_norm(o, lp["gdn_norm"].astype(jnp.float32), c.rms_norm_eps)            # [T, Hv, dv]
         o = o * jax.nn.silu(z.reshape(T, Hv, dv).astype(jnp.float32))
         h = h + o.reshape(T, Hv * dv).astype(h.dtype) @ lp["out_proj"].T
-        updates = {"conv": window[:, 1:].astype(state["conv"].dtype), "ssm": S_all}
-        return ffn(c, lp, h), state, updates
+        return ffn(c, lp, h), state
+
+
+def conv_window(ring, i, batch: ForwardBatch, inputs, K: int):
+    """The causal conv's window of each token [T, K, C]: its row's last K inputs up to it. Those at positions
+    before the row's first token come from the slot's ring of inputs (layer i), zeros before position 0."""
+    T = inputs.shape[0]
+    t = jnp.arange(T, dtype=jnp.int32)
+    in_row = t - batch.first_token_of_row[batch.row_of_token]                           # index in its row
+    slot = batch.slot_of_row[batch.row_of_token]
+    cols = []
+    for lag in range(K - 1, 0, -1):
+        from_step = inputs[jnp.maximum(t - lag, 0)]
+        from_ring = read_ring(ring, i, slot, batch.positions - lag).astype(inputs.dtype)
+        cols.append(jnp.where((in_row >= lag)[:, None], from_step, from_ring))
+    return jnp.stack(cols + [inputs], axis=1)
+
+
+def delta_rule(ops: Ops):
+    """The recurrence `ops` chose: the scan below (the reference) or the Pallas kernel, with one contract."""
+    if ops.delta_rule == "pallas":
+        from jaxspec.pallas.delta_rule import delta_rule_fn
+        return delta_rule_fn
+    return delta_rule_scan
+
+
+def delta_rule_scan(ring, i, batch: ForwardBatch, q, k, v, beta, g):
+    """The gated delta rule over the step's tokens in order, one state per head [Hv, dk, dv] (fp32): a row's
+    first token at position p0 starts from the slot's entry (p0 - 1) of layer i's ring (zeros at p0 = 0),
+    and each writing token stores S after it at its own entry, in place. q, k [T, Hv, dk], v [T, Hv, dv],
+    beta and the log decay g [T, Hv] -> (o [T, Hv, dv], ring)."""
+    T, W = q.shape[0], ring.shape[2]
+    row = batch.row_of_token
+    restart = jnp.arange(T) == batch.first_token_of_row[row]
+    slot = batch.slot_of_row[row]
+    write_slot = jnp.where(ring_writers(batch, W), slot, ring.shape[1])                # out of range: no write
+
+    def token(carry, xs):
+        S, ring = carry
+        q_t, k_t, v_t, beta_t, g_t, restart_t, slot_t, dst_t, pos_t = xs
+        S = jnp.where(restart_t, read_ring(ring, i, slot_t, pos_t - 1), S)
+        S = S * jnp.exp(g_t)[:, None, None]
+        delta = (v_t - jnp.einsum("hkv,hk->hv", S, k_t)) * beta_t[:, None]
+        S = S + k_t[:, :, None] * delta[:, None, :]
+        ring = ring.at[i, dst_t, pos_t % W].set(S, mode="drop")
+        return (S, ring), jnp.einsum("hkv,hk->hv", S, q_t)
+
+    S0 = jnp.zeros(ring.shape[3:], jnp.float32)
+    (_, ring), o = jax.lax.scan(token, (S0, ring), (q, k, v, beta, g, restart, slot, write_slot, batch.positions))
+    return o, ring
 
 
 LAYER_KINDS: dict[str, LayerKind] = {"attention": Attention(), "gated_attention": GatedAttention(),
@@ -328,14 +397,5 @@ LAYER_KINDS: dict[str, LayerKind] = {"attention": Attention(), "gated_attention"
 
 
 def per_slot_fields(state_specs: dict[str, Spec]) -> list[str]:
-    """The fields of a layer kind's state that are kept per request slot (committed after acceptance)."""
+    """The fields of a layer kind's state that are kept per request slot."""
     return [name for name, spec in state_specs.items() if spec.axes[0] == "slots"]
-
-
-def segment_start_state(state, batch: ForwardBatch, T: int):
-    """For a per-slot state [slots+1, ...]: each token's row's state at the start of this step, [T, ...]; zeros
-    for rows that start their sequence (position 0: a new or re-prefilled request)."""
-    row = batch.row_of_token
-    prev = state[batch.slot_of_row[row]]                                          # [T, ...]
-    fresh = batch.positions[batch.first_token_of_row[row]] == 0                   # [T]
-    return jnp.where(fresh.reshape((T,) + (1,) * (prev.ndim - 1)), jnp.zeros_like(prev), prev)

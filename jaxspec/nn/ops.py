@@ -1,5 +1,5 @@
 """The operations every layer shares (RMSNorm, rotary embedding, paged attention), and `Ops`: the swappable
-choices (which attention kernel, unrolled or scanned layers), made once per engine in one place.
+choices (which attention and delta-rule kernels, unrolled or scanned layers), made once per engine in one place.
 
 Shapes: T tokens in this step (a ragged mix of prefill chunks, decode tokens and verify segments of
 different requests), R request rows, MB blocks per row, S = num_blocks * block_size flat KV slots, L layers,
@@ -24,6 +24,9 @@ class ForwardBatch(NamedTuple):
     logits_indices: jax.Array  # i32[N]   tokens whose logits are wanted
     slot_of_row: jax.Array | None = None         # i32[R] request slot of each row (per-slot layer state)
     first_token_of_row: jax.Array | None = None  # i32[R] index in T of each row's first token
+    # bool[T] tokens that extend their sequence: their per-slot state is kept (as a KV slot < S keeps their KV);
+    # false for padding and for drafts past a drafter's emitted token. None: every token.
+    writes_state: jax.Array | None = None
 
 
 def rms_norm(x, weight, eps):
@@ -104,7 +107,9 @@ class Ops:
     attention: "pallas" (the kernel that reads KV pages in place), "reference" (jnp gather of the pages) or
     "dense" (one unpaged sequence: `Decoder.score`). unroll: layers unrolled with their stacked weights
     indexed statically (GPU: each matmul reads its weight in place), or scanned over runs of one layer kind
-    (CPU: one layer body to compile).
+    (CPU: one layer body to compile). delta_rule: the Gated DeltaNet recurrence as "reference" (a JAX scan over
+    the step's tokens) or "pallas" (jaxspec.pallas.delta_rule: one program per row and head; not yet measured
+    on a GPU, so the default stays the scan there too).
     """
     attention: str = "reference"
     block_size: int = 16
@@ -114,13 +119,17 @@ class Ops:
     # Triton GEMMs, and autotuning results persist in this directory (None: XLA's defaults).
     cublas_from_tokens: int | None = None
     autotune_cache_dir: str | None = None
+    delta_rule: str = "reference"
 
     def __post_init__(self):
         if self.attention not in ("pallas", "reference", "dense"):
             raise ValueError(f"attention={self.attention!r} is unknown; choose 'pallas' or 'reference'")
+        if self.delta_rule not in ("pallas", "reference"):
+            raise ValueError(f"delta_rule={self.delta_rule!r} is unknown; choose 'pallas' or 'reference'")
 
     @staticmethod
-    def for_backend(block_size: int, attention: str = "auto", unroll: bool | None = None, tp=None) -> "Ops":
+    def for_backend(block_size: int, attention: str = "auto", unroll: bool | None = None, tp=None,
+                    delta_rule: str = "reference") -> "Ops":
         """The measured choices for this device (docs/benchmarks.md): on a GPU the Pallas kernel and unrolled
         layers, on a CPU the reference attention and scanned layers (fast compiles)."""
         gpu = jax.default_backend() == "gpu"
@@ -131,7 +140,8 @@ class Ops:
             from jaxspec.models.presets import cache_dir
             autotune_cache = str(cache_dir() / "xla-autotune")
         return Ops(attention=attention, block_size=block_size, unroll=gpu if unroll is None else unroll, tp=tp,
-                   cublas_from_tokens=CUBLAS_FROM_TOKENS if gpu else None, autotune_cache_dir=autotune_cache)
+                   cublas_from_tokens=CUBLAS_FROM_TOKENS if gpu else None, autotune_cache_dir=autotune_cache,
+                   delta_rule=delta_rule)
 
     def compiler_options(self, num_tokens: int) -> dict:
         """XLA options for the compile of a step of `num_tokens` tokens. Measured on an H100 (Qwen2.5-1.5B,

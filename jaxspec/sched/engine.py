@@ -62,6 +62,7 @@ class EngineConfig:
     # Device-specific choices, measured on an H100 (docs/benchmarks.md); "auto" picks the GPU ones there.
     attention: str = "auto"           # "pallas" (reads KV pages in place) or "reference" (jnp gather)
     unroll_layers: bool | None = None  # layers unrolled (stacked weights indexed statically) or scanned
+    delta_rule: str = "reference"     # Gated DeltaNet recurrence: "reference" (JAX scan) or "pallas" (kernel)
     tensor_parallel_size: int = 1     # devices the model is split over (nn/sharding.py)
     structured_compile_timeout: float = 30.0   # seconds one request's structured-outputs constraint may compile
 
@@ -80,6 +81,8 @@ class EngineConfig:
                              "a number of seconds > 0")
         if self.attention not in ("auto", "pallas", "reference"):
             raise ValueError(f"attention={self.attention!r} is invalid; choose 'auto', 'pallas' or 'reference'")
+        if self.delta_rule not in ("pallas", "reference"):
+            raise ValueError(f"delta_rule={self.delta_rule!r} is invalid; choose 'pallas' or 'reference'")
 
 
 @dataclasses.dataclass
@@ -117,7 +120,7 @@ class Engine:
         self.step_config = StepConfig(block_size=config.block_size, num_blocks=num_blocks,
                                       num_slots=config.max_num_seqs, max_model_len=max_model_len,
                                       num_speculative_tokens=spec.num_speculative_tokens if spec else 0)
-        ops = Ops.for_backend(config.block_size, config.attention, config.unroll_layers, tp)
+        ops = Ops.for_backend(config.block_size, config.attention, config.unroll_layers, tp, config.delta_rule)
         self.runner = ModelRunner(model, self.step_config, ops, drafter, drafter_params,
                                   max_rows=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens)
         # A cached block holds KV only: a layer kind with per-slot state (a recurrent state) would need that

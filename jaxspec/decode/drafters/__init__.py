@@ -9,7 +9,7 @@ from typing import Protocol
 
 class Drafter(Protocol):
     """Every member the engine and the step use of a drafter."""
-    method: str                 # "draft_model", "eagle", "eagle3" or "ngram"
+    method: str                 # "draft_model", "eagle", "eagle3", "mtp" or "ngram"
     draft_sampling: str         # "argmax" (q a point mass) or "sample" (drawn; q kept per slot in the state)
     aux_layers: tuple[int, ...]  # target layers whose residual stream it reads (EAGLE-3), else ()
     needs_kv_lookahead: bool    # it writes its own KV up to k positions past what the target verifies

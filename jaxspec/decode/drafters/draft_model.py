@@ -8,10 +8,13 @@ so the scheduler's blocks cover both. Each step, after verification:
       rejected draft, or, when every draft was accepted (or a prefill chunk was the prompt's last), a spare
       slot one past the row's tokens: the batch has T + R tokens, each row's kept contiguous (its tokens,
       then its spare), rows that emitted nothing get no spare, and rejected drafts past the emitted token
-      write no KV. Per-slot layer state is kept at the row's last accepted token, as the target's is.
+      write no KV and keep no per-slot state. Per-slot layer state is kept by position, as the target's: the
+      next step starts after the row's last accepted token and reads the entry kept there.
   (b) k-1 single-token-per-row forwards, each feeding the draft just proposed. Draft KV is written up to
-      position num_tokens-1+k-1, which is why the drafter asks the scheduler for `needs_kv_lookahead`; their
-      per-slot state is speculative and dropped.
+      position num_tokens-1+k-1, which is why the drafter asks the scheduler for `needs_kv_lookahead`. Their
+      per-slot entries (positions num_tokens..num_tokens+k-2) are speculative: they fall on ring entries of
+      positions the next step never reads (it reads those of num_tokens-K..num_tokens-2 at most, K the conv
+      width), and the next step rewrites them before anything reads them.
 Unfolded, (a) ran over the step's tokens before verification and (b) took k forwards, the first feeding the
 emitted token alone: the same proposals from k+1 forwards.
 A step whose draft width is 0 (adaptive speculation chose plain decoding) runs (a) without proposing: the
@@ -52,49 +55,38 @@ class DraftModelDrafter:
         model = Decoder(self.config, ctx.ops)
         k, S = ctx.num_speculative_tokens, ctx.cache.num_kv_slots
         # (a) the draft KV of the tokens each row has now, and the first proposal at its emitted token.
-        batch, last_final, emitted_at = folded_batch(ctx, S)
-        logits, _, _, layers, updates = model.forward(params, state["layers"], batch)          # [R, V]
-        committed = model.commit(layers, updates, ctx.slot, last_final)
+        batch = folded_batch(ctx, S)
+        logits, _, _, layers = model.forward(params, state["layers"], batch)                  # [R, V]
         if k == 0:   # a plain decoding step: the draft KV of its tokens only, for later steps that draft
-            return dict(state, layers=committed), jnp.zeros((ctx.emitted.shape[0], 0), jnp.int32)
+            return dict(state, layers=layers), jnp.zeros((ctx.emitted.shape[0], 0), jnp.int32)
         grammar_state = grammar_start(ctx, logits.shape[0])
         first, first_logprobs = pick_drafts(logits, ctx, 0, self.draft_sampling, grammar_state)
-        if k == 1:
-            layers = committed
-            drafts, logprobs = first[None], None if first_logprobs is None else first_logprobs[None]
-        else:
-            # (b) k-1 autoregressive single-token forwards per row, from the state after the emitted token;
+        drafts, logprobs = first[None], None if first_logprobs is None else first_logprobs[None]
+        if k > 1:
+            # (b) k-1 autoregressive single-token forwards per row, each starting after the token before it;
             # rows that emitted nothing write nothing.
-            rows = jnp.arange(first.shape[0])
-
             def draft_one(carry, j):
                 layers, tok, pos, grammar_state = carry
                 batch = one_token_batch(tok, pos, ctx.sample_rows, ctx.batch.block_tables, ctx.ops.block_size, S,
                                         ctx.slot)
-                logits, _, _, layers, updates = model.forward(params, layers, batch)            # [R, V]
+                logits, _, _, layers = model.forward(params, layers, batch)                   # [R, V]
                 draft, logprobs = pick_drafts(logits, ctx, j + 1, self.draft_sampling, grammar_state)
-                return ((model.commit(layers, updates, ctx.slot, rows), draft, pos + 1,
-                         grammar_next(ctx, grammar_state, draft)), (draft, logprobs))
+                return (layers, draft, pos + 1, grammar_next(ctx, grammar_state, draft)), (draft, logprobs)
 
-            after_emitted = model.commit(layers, updates, ctx.slot, emitted_at)
-            (speculative, _, _, _), (rest, rest_logprobs) = draft_loop(
-                draft_one, (after_emitted, first, ctx.num_tokens, grammar_next(ctx, grammar_state, first)), k - 1,
+            (layers, _, _, _), (rest, rest_logprobs) = draft_loop(
+                draft_one, (layers, first, ctx.num_tokens, grammar_next(ctx, grammar_state, first)), k - 1,
                 ctx.ops.unroll)
-            per_slot = model.per_slot_fields(ctx.cache)   # (b)'s pages are kept, its per-slot state is not
-            layers = {kind: {name: committed[kind][name] if name in per_slot[kind] else speculative[kind][name]
-                             for name in fields} for kind, fields in speculative.items()}
-            drafts = jnp.concatenate([first[None], rest])                                       # [k, R]
-            logprobs = None if first_logprobs is None else jnp.concatenate([first_logprobs[None], rest_logprobs])
+            drafts = jnp.concatenate([drafts, rest])                                            # [k, R]
+            logprobs = None if first_logprobs is None else jnp.concatenate([logprobs, rest_logprobs])
         new_state = dict(state, layers=layers)
         if self.draft_sampling == "sample":   # [k, R, V] -> this slot's q for the next step's verification
             new_state["draft_logprobs"] = state["draft_logprobs"].at[ctx.slot, :k].set(jnp.swapaxes(logprobs, 0, 1))
         return new_state, drafts.T                                                              # [R, k]
 
 
-def folded_batch(ctx, num_kv_slots: int):
-    """The tokens each row has after this step's verification, T + R of them -> (ForwardBatch with logits at
-    each row's emitted token [R], last_final [R] and emitted_at [R]: indices in it of the row's last token
-    whose KV is final and of its emitted token).
+def folded_batch(ctx, num_kv_slots: int) -> ForwardBatch:
+    """The tokens each row has after this step's verification, T + R of them: a ForwardBatch with logits at
+    each row's emitted token [R].
 
     Row r keeps its tokens at positions < num_tokens-1 (its prefill chunk, its decode token, its accepted
     drafts) and gets its emitted token at position num_tokens-1: in place of the first rejected draft, or in
@@ -123,12 +115,11 @@ def folded_batch(ctx, num_kv_slots: int):
     def place(fill, tokens, emitted):
         return jnp.full((N,), fill, jnp.int32).at[to].set(tokens, mode="drop").at[at].set(emitted, mode="drop")
 
-    batch = ForwardBatch(place(0, b.token_ids, emit_tok), place(0, b.positions, emit_pos),
-                         place(S, jnp.where(kept, b.slot_mapping, S), emit_slot), place(0, row, rows),
-                         b.block_tables, jnp.clip(emitted_at, 0, N - 1), slot_of_row=b.slot_of_row,
-                         first_token_of_row=jnp.clip(first + shift, 0, N - 1))
-    last_final = jnp.clip(ctx.last_final + shift, 0, N - 1)
-    return batch, last_final, jnp.clip(emitted_at, 0, N - 1)
+    writes = jnp.zeros((N,), bool).at[to].set(kept, mode="drop").at[at].set(True, mode="drop")
+    return ForwardBatch(place(0, b.token_ids, emit_tok), place(0, b.positions, emit_pos),
+                        place(S, jnp.where(kept, b.slot_mapping, S), emit_slot), place(0, row, rows),
+                        b.block_tables, jnp.clip(emitted_at, 0, N - 1), slot_of_row=b.slot_of_row,
+                        first_token_of_row=jnp.clip(first + shift, 0, N - 1), writes_state=writes)
 
 
 def _as_model(spec_model, dtype_name: str):

@@ -9,6 +9,8 @@ Per step, with the target's batch (T tokens, R rows):
   Each slot saves the feature at its last position whose target KV is final, for (a) of its next step.
   A step whose draft width is 0 (adaptive speculation chose plain decoding) runs (a) and saves the feature
   only: the target's features of its tokens exist in that step alone, so (a) cannot be caught up later.
+The pass needs of its head `features`, `forward` (ids, feature -> output hidden fed back, KV), `logits` and its
+declared params and state: the MTP drafter (mtp.py) runs it with jaxspec.nn.mtp.MtpHead.
 """
 from __future__ import annotations
 
