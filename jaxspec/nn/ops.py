@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from typing import Any, NamedTuple
 
 import jax
@@ -100,6 +101,18 @@ def dense_causal_attention(q, k_pool, v_pool, layer, batch: ForwardBatch, block_
 # Steps of at least this many tokens compile their matmuls to cuBLAS on a GPU (Ops.compiler_options).
 CUBLAS_FROM_TOKENS = 128
 
+def use_compile_cache(path, min_compile_seconds: float = 1.0) -> bool:
+    """Keep compiled steps on disk (JAX's persistent compilation cache), so that the next process that builds
+    an engine of the same shapes loads its steps instead of compiling them (a GPU step compiles in 4-40 s,
+    docs/benchmarks.md). Steps are keyed by their HLO, shapes and compile options, not by weight values. Left
+    alone when the user configured a cache directory; JAXSPEC_COMPILE_CACHE=0 turns it off."""
+    if os.environ.get("JAXSPEC_COMPILE_CACHE", "1") == "0" or jax.config.jax_compilation_cache_dir:
+        return False
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", min_compile_seconds)
+    return True
+
+
 @dataclasses.dataclass(frozen=True)
 class Ops:
     """How an engine computes, chosen once (`Ops.for_backend`) and read by every layer, head and drafter.
@@ -139,6 +152,7 @@ class Ops:
         if gpu:
             from jaxspec.models.presets import cache_dir
             autotune_cache = str(cache_dir() / "xla-autotune")
+            use_compile_cache(cache_dir() / "jax-compile")
         return Ops(attention=attention, block_size=block_size, unroll=gpu if unroll is None else unroll, tp=tp,
                    cublas_from_tokens=CUBLAS_FROM_TOKENS if gpu else None, autotune_cache_dir=autotune_cache,
                    delta_rule=delta_rule)
