@@ -41,6 +41,24 @@ def parse_method(text: str, k: int):
     return name, spec
 
 
+def untrained_head(model, method: str) -> str:
+    """`eagle3=random` -> `eagle3=DIR` with an untrained head of the shapes training writes."""
+    name, _, path = method.partition("=")
+    if path != "random":
+        return method
+    import tempfile
+
+    import numpy as np
+
+    from jaxspec.nn.eagle import EagleHead
+    from jaxspec.train.eagle3 import head_config, init_head, save_head
+    d2t = np.arange(min(32000, model.config.vocab_size), dtype=np.int32)   # training's default draft vocabulary
+    head = EagleHead("eagle3", head_config(model.config), model.config, draft_vocab_size=len(d2t))
+    out = tempfile.mkdtemp(prefix="untrained-head-")
+    save_head(out, head, init_head(head, model.params, d2t, seed=0), d2t)
+    return f"{name}={out}"
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True)
@@ -55,6 +73,9 @@ def main():
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--random-weights", action="store_true",
+                   help="--model is a preset or config directory with weights drawn at random, and eagle3=random "
+                        "an untrained head: the same compiled steps as the real weights (fills the compile caches)")
     p.add_argument("--json", required=True)
     args = p.parse_args()
     num_prompts = args.num_prompts or [max(16, 4 * c) for c in args.concurrency]
@@ -68,7 +89,12 @@ def main():
     from jaxspec.models.loader import load_model
 
     t0 = time.perf_counter()
-    model = load_model(args.model, dtype=args.dtype)
+    if args.random_weights:
+        from jaxspec.models.random import random_model
+        model = random_model(args.model, dtype=args.dtype)
+        args.method = [untrained_head(model, m) for m in args.method]
+    else:
+        model = load_model(args.model, dtype=args.dtype)
     print(f"target loaded in {time.perf_counter() - t0:.0f} s", flush=True)
     workloads = {}
     for w in args.workload:
