@@ -20,6 +20,10 @@ def main():
     p.add_argument("--num-conversations", type=int, default=6000)
     p.add_argument("--out", default=".gpu")
     p.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
+    p.add_argument("--first-turns", type=int, default=0,
+                   help="also write sharegpt_first_turns.json: the first user turn of the training conversations and "
+                        "of this many more after the held-out ones, for `--regenerate` (the answers are the "
+                        "target's own, so the dataset's are left out: the file is ~6x smaller)")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
     from jaxspec.train.data import load_sharegpt
@@ -32,6 +36,12 @@ def main():
         json.dump(to_sharegpt(train), f)
     with open(os.path.join(args.out, "sharegpt_heldout_conversations.json"), "w") as f:
         json.dump(to_sharegpt(held), f)
+    if args.first_turns:
+        more = load_sharegpt(args.first_turns, skip=args.num_conversations + len(held))
+        # a one-character stand-in answer keeps each a ShareGPT conversation; --regenerate replaces it
+        firsts = [[c[0], {"role": "assistant", "content": "."}] for c in train + more]
+        with open(os.path.join(args.out, "sharegpt_first_turns.json"), "w") as f:
+            json.dump(to_sharegpt(firsts), f)
     # The measured prompts as token ids (the workload format of `jaxspec-bench --save-workload`): HumanEval's
     # prompts as the benchmark encodes text, the held-out ShareGPT first turns through the chat template.
     import gzip
