@@ -1,7 +1,40 @@
 """`jaxspec-bench` end to end on the CPU: the sync/async x speculation matrix, ShareGPT prompts, JSON out."""
 import json
+import os
+
+import jsonschema
+import pytest
 
 from jaxspec.bench import main
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PERSON = os.path.join(REPO, "scripts", "schemas", "person.json")   # the default schema of the GPU runs
+# A person the schema allows, and what SmolLM2's tokenizer makes of it
+EXAMPLE = {"name": "Ada Lovelace", "country": "GB", "role": "analyst", "level": 5, "active": False,
+           "skills": ["math", "poetry"]}
+
+
+@pytest.fixture(scope="module")
+def json_model_dir(tmp_path_factory, smollm2_gguf_path):
+    """A tiny random llama checkpoint (an HF directory: config.json, model.safetensors) whose vocabulary is
+    SmolLM2's first 512 tokens (every byte and the first merges), with SmolLM2's tokenizer files: its outputs are
+    real text, and it compiles and decodes in seconds. Unconstrained, a random model's text is never JSON: a
+    constraint has to do all the work."""
+    from safetensors.numpy import save_file
+    from conftest import random_model
+    from jaxspec.models.gguf_loader import hf_tokenizer_from_gguf
+    path = tmp_path_factory.mktemp("json_model")
+    model = random_model(0, vocab_size=512, max_position_embeddings=512)
+    c = model.config
+    save_file(model.hf_tensors, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": c.vocab_size,
+        "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size, "num_hidden_layers": c.num_layers,
+        "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads, "rms_norm_eps": c.rms_norm_eps,
+        "rope_theta": c.rope_theta, "max_position_embeddings": c.max_position_embeddings,
+        "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32"}))
+    hf_tokenizer_from_gguf(smollm2_gguf_path).save_pretrained(str(path))
+    return path
 
 
 def test_compare_matrix_on_sharegpt_writes_json(tmp_path, capsys):
@@ -150,3 +183,43 @@ def test_vllm_baseline_runs_the_same_workload_in_its_own_process(tmp_path, monke
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
     with pytest.raises(SystemExit, match="needs vLLM"):
         main(args)
+
+def test_person_schema_is_a_bounded_json_schema():
+    """scripts/schemas/person.json: a valid JSON schema that outlines-core compiles (the one engine-side
+    compiler) into a regex with no unbounded repetition (every output has a bounded length, whatever the model:
+    a random model ends too), and an example instance validates."""
+    import re
+    from outlines_core.json_schema import build_regex_from_schema
+    with open(PERSON) as f:
+        schema = json.load(f)
+    jsonschema.Draft202012Validator.check_schema(schema)
+    jsonschema.validate(EXAMPLE, schema)
+    regex = build_regex_from_schema(json.dumps(schema))
+    assert not re.search(r"(?<!\\)[*+]|\{\d+,\}", regex), regex
+    assert re.fullmatch(regex, json.dumps(EXAMPLE))
+
+
+def test_structured_json_on_every_request_validates_offline_and_online(tmp_path, json_model_dir):
+    """--structured-json (the person schema file) on every request, all at once and arriving over time: every
+    output validates against the schema, ends where its automaton accepts (finish reason stop, before
+    --output-len, although --ignore-eos is on by default), and the report records the constraint, the tokens
+    actually generated and how many outputs match. (With speculation: the --baseline vllm test below.)"""
+    # One token bucket (8): few compilations.
+    common = ["--model", str(json_model_dir), "--dtype", "float32", "--dataset", "random", "--num-prompts", "3",
+              "--input-len", "6", "--output-len", "200", "--max-concurrency", "2", "--max-model-len", "256",
+              "--max-num-batched-tokens", "8", "--structured-json", PERSON, "--quiet"]
+    results = {}
+    for name, extra in [("offline", []), ("online", ["--request-rate", "50"])]:
+        out = tmp_path / f"{name}.json"
+        assert main(common + extra + ["--json", str(out)]) == 0
+        (results[name],) = json.loads(out.read_text())
+    with open(PERSON) as f:
+        schema = json.load(f)
+    for name, r in results.items():
+        assert r["label"] == "async+json", name
+        assert r["structured_outputs"] == {"kind": "json", "json": schema, "source": PERSON, "ignore_eos": False,
+                                           "valid_outputs": 3}, name
+        assert r["finish_reasons"] == {"stop": 3} and r["output_len"]["max"] < 200, (name, r["output_len"])
+        assert r["output_tokens"] == round(3 * r["output_len"]["mean"]) and r["output_len"]["min"] > 20, name
+        assert r["recompiles"] == 0, name   # the grammar steps were compiled before the clock started
+    assert results["offline"]["output_digest"] == results["online"]["output_digest"]
