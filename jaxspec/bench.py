@@ -5,16 +5,17 @@
         --draft-model qwen2.5-coder-0.5b-instruct --num-spec-tokens 4 --temperature 0 --compare
     jaxspec-bench --dataset prefix --prefix-len 1024 --input-len 32 --request-rate 4     # arrivals over time
     jaxspec-bench --base-url http://127.0.0.1:8000 --dataset random --max-concurrency 32  # a running server
-    jaxspec-bench --structured-json scripts/schemas/person.json --max-concurrency 8    # JSON outputs
+    jaxspec-bench --structured-json scripts/schemas/person.json --max-concurrency 8 --baseline vllm  # JSON outputs
 
 All requests are submitted at once and served by `LLM.generate`, unless --request-rate, --base-url or a
 multi-turn dataset asks for arrivals over time (bench_online.py).
 
 --structured-json / --structured-regex / --structured-choice put one constraint (structured outputs) on every
-request. A constrained request ends where its automaton accepts (EOS is allowed there only) or at --output-len,
-whatever --ignore-eos says: with EOS ignored the grammar would allow nothing but EOS after a complete output, and
-jaxspec would emit EOS until --output-len. Output lengths therefore differ per request; the report counts the
-tokens actually generated and how many outputs match the constraint.
+request, here and in the vLLM baseline. A constrained request ends where its automaton accepts (EOS is allowed
+there only) or at --output-len, whatever --ignore-eos says: with EOS ignored the grammar would allow nothing but
+EOS after a complete output (jaxspec would emit EOS until --output-len, vLLM unconstrained tokens). Output
+lengths therefore differ per request and per engine; the report counts the tokens actually generated and how
+many outputs match the constraint.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ import json
 import os
 import re
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -520,6 +522,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vllm-model", default=None,
                    help="--baseline vllm: the model path vLLM loads (default: --model's file or directory; with "
                         "--random-weights a directory holding the model's config.json is enough)")
+    p.add_argument("--vllm-tokenizer", default=None,
+                   help="--baseline vllm with --structured-*: the tokenizer vLLM loads (vLLM needs one to build "
+                        "its grammar; default: jaxspec's own tokenizer of the model, saved to a temporary directory)")
     p.add_argument("--vllm-python", default=sys.executable,
                    help="--baseline vllm: the Python interpreter that has vLLM (default: this one)")
     p.add_argument("--json", help="write the results here")
@@ -553,16 +558,37 @@ def _vllm_side_by_side(args, model, workload: Workload, ours: dict) -> dict:
         return str(preset_path(spec)) if spec in PRESETS else spec
     prompts = [p if isinstance(p, list) else model.tokenizer.encode(p, add_special_tokens=True)
                for p in workload.prompts]
-    request = build_request(args, prompts, list(workload.output_lens), args.vllm_model or path(args.model),
-                            path(args.draft_model) if args.draft_model else None)
-    res = run_vllm_baseline(request, python=args.vllm_python)
-    res["output_digest"] = output_digest(res.pop("token_ids"))
+    structured = args.structured_report
+    with tempfile.TemporaryDirectory(prefix="jaxspec-vllm-tokenizer-") as tmp:
+        tokenizer = args.vllm_tokenizer
+        if structured is not None and tokenizer is None:   # vLLM builds its grammar from a tokenizer
+            model.tokenizer.hf.save_pretrained(tmp)
+            tokenizer = tmp
+        request = build_request(args, prompts, list(workload.output_lens), args.vllm_model or path(args.model),
+                                path(args.draft_model) if args.draft_model else None,
+                                structured={structured["kind"]: structured[structured["kind"]]} if structured else None,
+                                tokenizer=tokenizer)
+        res = run_vllm_baseline(request, python=args.vllm_python)
+    token_ids = res.pop("token_ids")
+    res["output_digest"] = output_digest(token_ids)
+    eos = set(model.tokenizer.eos_token_ids) if model.tokenizer is not None else set()
+    texts = None
+    if structured is not None:
+        texts = [model.tokenizer.decode(ids[:-1] if ids and ids[-1] in eos else ids) for ids in token_ids]
+    res.update(output_summary(args, [len(ids) for ids in token_ids], texts, res.pop("finish_reasons", None)))
+    if structured is not None:
+        res["label"] += "+" + structured["kind"]
     acc = (f", acceptance length {res['spec']['mean_acceptance_length']:.2f} (jaxspec "
            f"{ours['spec']['mean_acceptance_length']:.2f})" if "spec" in res and "spec" in ours else "")
     print(f"{res['label']:<28}{res['output_throughput']:>10.2f} tok/s, mean TPOT {res['tpot_ms']['mean']:.2f} ms{acc}; "
           f"jaxspec {ours['label']}: {ours['output_throughput']:.2f} tok/s = "
           f"{ours['output_throughput'] / res['output_throughput']:.2f}x vLLM; same tokens: "
           f"{res['output_digest'] == ours.get('output_digest')}")
+    if structured is not None:
+        mine = ours["structured_outputs"].get("valid_outputs")
+        print(f"{res['label']}: {res['structured_outputs']['valid_outputs']}/{res['requests']} outputs match the "
+              f"constraint, {res['output_len']['mean']:.1f} tokens each on average (jaxspec {mine}/{ours['requests']}, "
+              f"{ours['output_len']['mean']:.1f})")
     return res
 
 

@@ -9,7 +9,7 @@ from jaxspec.bench import main
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PERSON = os.path.join(REPO, "scripts", "schemas", "person.json")   # the default schema of the GPU runs
-# A person the schema allows, and what SmolLM2's tokenizer makes of it
+# A person the schema allows (what the fake vLLM answers, in SmolLM2 tokens)
 EXAMPLE = {"name": "Ada Lovelace", "country": "GB", "role": "analyst", "level": 5, "active": False,
            "skills": ["math", "poetry"]}
 
@@ -97,6 +97,12 @@ def test_poisson_arrivals_on_a_shared_prefix_match_the_offline_run(tmp_path):
     assert results["online"]["ttft_ms"]["median"] > 0 and results["online"]["tpot_ms"]["median"] > 0
 
 
+FAKE_SAMPLING_PARAMS = '''
+class StructuredOutputsParams:   # vllm.sampling_params.StructuredOutputsParams: the constraint it was given
+    def __init__(self, **kwargs):
+        self.kwargs = kwargs
+'''
+
 FAKE_VLLM = '''
 """A stand-in for vLLM's offline API (LLM, SamplingParams, get_metrics): it records what it was asked to run."""
 import json, os, types
@@ -120,19 +126,30 @@ class Vector:
 class LLM:
     def __init__(self, **kwargs):
         self.kwargs, self.calls = kwargs, 0
+        tokenizer = kwargs.get("tokenizer")   # a directory that exists while the child runs
+        self.tokenizer_files = sorted(os.listdir(tokenizer)) if tokenizer else None
 
     def generate(self, prompts, params, use_tqdm=True):
         self.calls += 1
+        structured = [getattr(sp, "structured_outputs", None) for sp in params]
         with open(os.environ["FAKE_VLLM_LOG"], "a") as f:
             f.write(json.dumps({"llm": {k: v for k, v in self.kwargs.items()},
+                                "tokenizer_files": self.tokenizer_files,
                                 "prompts": [p["prompt_token_ids"] for p in prompts],
                                 "max_tokens": [p.max_tokens for p in params],
-                                "temperature": [p.temperature for p in params]}) + "\\n")
+                                "temperature": [p.temperature for p in params],
+                                "ignore_eos": [getattr(p, "ignore_eos", None) for p in params],
+                                "structured": [None if so is None else so.kwargs for so in structured]}) + "\\n")
         outs = []
-        for p, sp in zip(prompts, params):
-            ids = (p["prompt_token_ids"] * sp.max_tokens)[:sp.max_tokens]
+        for p, sp, so in zip(prompts, params, structured):
+            if so is not None and "FAKE_VLLM_OUTPUT" in os.environ:   # what a constrained run emits
+                ids = json.loads(os.environ["FAKE_VLLM_OUTPUT"])[:sp.max_tokens]
+            else:
+                ids = (p["prompt_token_ids"] * sp.max_tokens)[:sp.max_tokens]
             metrics = types.SimpleNamespace(first_token_ts=0.0, last_token_ts=0.004 * (len(ids) - 1))
-            outs.append(types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=ids)], metrics=metrics))
+            finish = "stop" if so is not None and "FAKE_VLLM_OUTPUT" in os.environ else "length"
+            outs.append(types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=ids, finish_reason=finish)],
+                                              metrics=metrics))
         return outs
 
     def get_metrics(self):   # every generate call drafts 10 times and accepts 15 tokens (the warm-up a few more)
@@ -144,14 +161,18 @@ class LLM:
 '''
 
 
-def test_vllm_baseline_runs_the_same_workload_in_its_own_process(tmp_path, monkeypatch, capsys):
+def test_vllm_baseline_runs_the_same_workload_in_its_own_process(tmp_path, monkeypatch, capsys, json_model_dir):
     """--baseline vllm: the child process gets the same token ids, lengths, batch size, sampling and speculation,
-    and its acceptance comes from vLLM's own counters (over the timed run only, not the warm-up)."""
+    and its acceptance comes from vLLM's own counters (over the timed run only, not the warm-up). With
+    --structured-json every request of the child (the warm-up's too) carries the schema as vLLM's
+    StructuredOutputsParams(json=...), EOS is not ignored, vLLM loads a tokenizer (jaxspec's, saved for it), and
+    the report checks vLLM's outputs against the schema as it checks jaxspec's."""
     import os
     import pytest
     fake = tmp_path / "fake"
     (fake / "vllm").mkdir(parents=True)
     (fake / "vllm" / "__init__.py").write_text(FAKE_VLLM)
+    (fake / "vllm" / "sampling_params.py").write_text(FAKE_SAMPLING_PARAMS)
     log = tmp_path / "vllm.log"
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(fake), repo, os.environ.get("PYTHONPATH", "")]))
@@ -176,13 +197,40 @@ def test_vllm_baseline_runs_the_same_workload_in_its_own_process(tmp_path, monke
     assert timed["max_tokens"] == [4, 4, 4] and timed["temperature"] == [0.0] * 3
     assert all(len(p) == 5 for p in timed["prompts"]) and len(warm["prompts"]) == 2
     assert ours["input_tokens"] == sum(map(len, timed["prompts"])) == 15
+    assert timed["structured"] == [None] * 3 and timed["ignore_eos"] == [True] * 3 and "tokenizer" not in timed["llm"]
     assert "x vLLM" in capsys.readouterr().out
+
+    # A JSON schema on every request (the tiny model with SmolLM2's tokenizer; the fake vLLM answers every
+    # constrained request with EXAMPLE's tokens and EOS)
+    from jaxspec.bench import _tokenizer_for
+    example = _tokenizer_for(str(json_model_dir)).encode(json.dumps(EXAMPLE)) + [2]
+    monkeypatch.setenv("FAKE_VLLM_OUTPUT", json.dumps(example))
+    log.unlink()
+    with open(PERSON) as f:
+        schema = json.load(f)
+    assert main(["--model", str(json_model_dir), "--dtype", "float32", "--dataset", "random", "--num-prompts", "3",
+                 "--input-len", "5", "--output-len", "200", "--max-concurrency", "2", "--max-model-len", "256",
+                 "--max-num-batched-tokens", "8", "--spec-method", "ngram", "--num-spec-tokens", "2",
+                 "--structured-json", PERSON, "--json", str(out), "--quiet", "--baseline", "vllm"]) == 0
+    ours, theirs = json.loads(out.read_text())
+    warm, timed = [json.loads(line) for line in log.read_text().splitlines()]
+    assert timed["structured"] == [{"json": schema}] * 3 and warm["structured"] == [{"json": schema}] * 2
+    assert timed["ignore_eos"] == [False] * 3 and timed["max_tokens"] == [200] * 3
+    assert timed["llm"]["skip_tokenizer_init"] is False and "tokenizer.json" in timed["tokenizer_files"]
+    assert ours["label"] == "async+ngram+json" and theirs["label"] == "vllm+ngram+json"
+    for r in (ours, theirs):
+        assert r["structured_outputs"] == {"kind": "json", "json": schema, "source": PERSON, "ignore_eos": False,
+                                           "valid_outputs": 3}, r["label"]
+        assert r["finish_reasons"] == {"stop": 3}, r["label"]
+    assert theirs["output_tokens"] == 3 * len(example) and theirs["output_len"]["mean"] == len(example)
+    assert "3/3 outputs match the constraint" in capsys.readouterr().out
     # without vLLM: a clear error before anything is loaded
     import importlib.util
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
     with pytest.raises(SystemExit, match="needs vLLM"):
         main(args)
+
 
 def test_person_schema_is_a_bounded_json_schema():
     """scripts/schemas/person.json: a valid JSON schema that outlines-core compiles (the one engine-side
