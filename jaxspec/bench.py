@@ -186,11 +186,16 @@ def structured_from_args(args):
         kind, value, source = "choice", list(args.structured_choice), "inline"
     else:
         return None, None
+    extra = {}
+    if getattr(args, "structured_disable_any_whitespace", False):
+        if kind != "json":
+            raise SystemExit("--structured-disable-any-whitespace applies to --structured-json only")
+        extra["disable_any_whitespace"] = True
     try:
-        so = StructuredOutputsParams(**{kind: value})
+        so = StructuredOutputsParams(**{kind: value}, **extra)
     except ValueError as e:
         raise SystemExit(f"--structured-{kind}: {e}") from None
-    return so, {"kind": kind, kind: value, "source": source}
+    return so, {"kind": kind, kind: value, "source": source, **extra}
 
 
 def output_matches(so, text: str) -> bool:
@@ -411,7 +416,8 @@ def print_report(r: dict):
         rows.append(("Finish reasons", " ".join(f"{k}:{v}" for k, v in r["finish_reasons"].items())))
     if "structured_outputs" in r:
         so = r["structured_outputs"]
-        rows.append(("Structured outputs", f"{so['kind']} ({os.path.basename(so['source'])})"))
+        compact = ", no whitespace" if so.get("disable_any_whitespace") else ""
+        rows.append(("Structured outputs", f"{so['kind']} ({os.path.basename(so['source'])}{compact})"))
         if "valid_outputs" in so:
             rows.append(("Outputs matching the constraint", f"{so['valid_outputs']}/{r['requests']}"))
     if "prefix_cache" in r:
@@ -505,6 +511,10 @@ def build_parser() -> argparse.ArgumentParser:
                             help="structured outputs: every request's output matches this regular expression")
     constraint.add_argument("--structured-choice", metavar="CHOICE", nargs="+",
                             help="structured outputs: every request's output is one of these strings")
+    p.add_argument("--structured-disable-any-whitespace", action="store_true",
+                   help="--structured-json: no whitespace between JSON tokens, in jaxspec and vLLM alike (by "
+                        "default jaxspec allows one optional space there and vLLM's xgrammar any whitespace, "
+                        "which a model with random weights may spend its --output-len on)")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--async", dest="async_scheduling", action="store_true", default=True)
     mode.add_argument("--sync", dest="async_scheduling", action="store_false")
@@ -549,6 +559,14 @@ def _load(args):
     return load_model(args.model, dtype=dtype)
 
 
+def _vllm_constraint(described: dict | None) -> dict | None:
+    """The fields of vLLM's StructuredOutputsParams for the constraint the report describes."""
+    if described is None:
+        return None
+    kind = described["kind"]
+    return {kind: described[kind], **{k: described[k] for k in ("disable_any_whitespace",) if k in described}}
+
+
 def _vllm_side_by_side(args, model, workload: Workload, ours: dict) -> dict:
     """The workload through vLLM (jaxspec/vllm_baseline.py), printed next to jaxspec's last configuration."""
     from jaxspec.models.presets import PRESETS, preset_path
@@ -566,7 +584,7 @@ def _vllm_side_by_side(args, model, workload: Workload, ours: dict) -> dict:
             tokenizer = tmp
         request = build_request(args, prompts, list(workload.output_lens), args.vllm_model or path(args.model),
                                 path(args.draft_model) if args.draft_model else None,
-                                structured={structured["kind"]: structured[structured["kind"]]} if structured else None,
+                                structured=_vllm_constraint(structured),
                                 tokenizer=tokenizer)
         res = run_vllm_baseline(request, python=args.vllm_python)
     token_ids = res.pop("token_ids")

@@ -211,16 +211,18 @@ def test_vllm_baseline_runs_the_same_workload_in_its_own_process(tmp_path, monke
     assert main(["--model", str(json_model_dir), "--dtype", "float32", "--dataset", "random", "--num-prompts", "3",
                  "--input-len", "5", "--output-len", "200", "--max-concurrency", "2", "--max-model-len", "256",
                  "--max-num-batched-tokens", "8", "--spec-method", "ngram", "--num-spec-tokens", "2",
-                 "--structured-json", PERSON, "--json", str(out), "--quiet", "--baseline", "vllm"]) == 0
+                 "--structured-json", PERSON, "--structured-disable-any-whitespace", "--json", str(out), "--quiet",
+                 "--baseline", "vllm"]) == 0
     ours, theirs = json.loads(out.read_text())
     warm, timed = [json.loads(line) for line in log.read_text().splitlines()]
-    assert timed["structured"] == [{"json": schema}] * 3 and warm["structured"] == [{"json": schema}] * 2
+    constraint = {"json": schema, "disable_any_whitespace": True}
+    assert timed["structured"] == [constraint] * 3 and warm["structured"] == [constraint] * 2
     assert timed["ignore_eos"] == [False] * 3 and timed["max_tokens"] == [200] * 3
     assert timed["llm"]["skip_tokenizer_init"] is False and "tokenizer.json" in timed["tokenizer_files"]
     assert ours["label"] == "async+ngram+json" and theirs["label"] == "vllm+ngram+json"
     for r in (ours, theirs):
         assert r["structured_outputs"] == {"kind": "json", "json": schema, "source": PERSON, "ignore_eos": False,
-                                           "valid_outputs": 3}, r["label"]
+                                           "disable_any_whitespace": True, "valid_outputs": 3}, r["label"]
         assert r["finish_reasons"] == {"stop": 3}, r["label"]
     assert theirs["output_tokens"] == 3 * len(example) and theirs["output_len"]["mean"] == len(example)
     assert "3/3 outputs match the constraint" in capsys.readouterr().out
