@@ -5,9 +5,17 @@
         --draft-model qwen2.5-coder-0.5b-instruct --num-spec-tokens 4 --temperature 0 --compare
     jaxspec-bench --dataset prefix --prefix-len 1024 --input-len 32 --request-rate 4     # arrivals over time
     jaxspec-bench --base-url http://127.0.0.1:8000 --dataset random --max-concurrency 32  # a running server
+    jaxspec-bench --structured-json scripts/schemas/person.json --max-concurrency 8 --baseline vllm  # JSON outputs
 
 All requests are submitted at once and served by `LLM.generate`, unless --request-rate, --base-url or a
 multi-turn dataset asks for arrivals over time (bench_online.py).
+
+--structured-json / --structured-regex / --structured-choice put one constraint (structured outputs) on every
+request, here and in the vLLM baseline. A constrained request ends where its automaton accepts (EOS is allowed
+there only) or at --output-len, whatever --ignore-eos says: with EOS ignored the grammar would allow nothing but
+EOS after a complete output (jaxspec would emit EOS until --output-len, vLLM unconstrained tokens). Output
+lengths therefore differ per request and per engine; the report counts the tokens actually generated and how
+many outputs match the constraint.
 """
 from __future__ import annotations
 
@@ -18,7 +26,9 @@ import gzip
 import hashlib
 import json
 import os
+import re
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -153,6 +163,98 @@ def _json_array_items(stream, chunk: int = 1 << 20):
             buf += utf8.decode(data, final=done) if isinstance(data, bytes) else data
 
 
+# ---- structured outputs ------------------------------------------------------------------------------
+def structured_from_args(args):
+    """The constraint --structured-json / --structured-regex / --structured-choice puts on every request.
+    -> (StructuredOutputsParams or None, what the report records of it: kind, the constraint, its source)."""
+    from jaxspec import StructuredOutputsParams
+    if getattr(args, "structured_json", None) is not None:
+        text, source = args.structured_json, "inline"
+        if os.path.isfile(text):
+            source = text
+            with open(text) as f:
+                text = f.read()
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise SystemExit(f"--structured-json {args.structured_json!r} is neither a file nor JSON text ({e}); "
+                             "give a JSON schema file or the schema's JSON") from None
+        kind = "json"
+    elif getattr(args, "structured_regex", None) is not None:
+        kind, value, source = "regex", args.structured_regex, "inline"
+    elif getattr(args, "structured_choice", None) is not None:
+        kind, value, source = "choice", list(args.structured_choice), "inline"
+    else:
+        return None, None
+    extra = {}
+    if getattr(args, "structured_disable_any_whitespace", False):
+        if kind != "json":
+            raise SystemExit("--structured-disable-any-whitespace applies to --structured-json only")
+        extra["disable_any_whitespace"] = True
+    try:
+        so = StructuredOutputsParams(**{kind: value}, **extra)
+    except ValueError as e:
+        raise SystemExit(f"--structured-{kind}: {e}") from None
+    return so, {"kind": kind, kind: value, "source": source, **extra}
+
+
+def output_matches(so, text: str) -> bool:
+    """Whether an output's text satisfies the constraint: a choice, the regex (Python's re, whole text), or JSON
+    that parses and validates against the schema (with jsonschema where it is installed, else parsing only)."""
+    if so.kind == "choice":
+        return text in so.choice
+    if so.kind == "regex":
+        return re.fullmatch(so.regex, text) is not None
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return False
+    if so.kind == "json_object":
+        return isinstance(value, dict)
+    try:
+        import jsonschema
+    except ImportError:
+        return True
+    try:
+        jsonschema.validate(value, so.json if isinstance(so.json, dict) else json.loads(so.json))
+        return True
+    except jsonschema.ValidationError:
+        return False
+
+
+def output_summary(args, token_counts: list[int], texts: list[str] | None, finish_reasons: list | None) -> dict:
+    """Report fields on what the requests generated: output lengths (tokens actually generated, which a
+    constraint makes differ per request), finish reasons, and with a constraint how many outputs satisfy it."""
+    out = {"output_len": {"mean": float(np.mean(token_counts)) if token_counts else float("nan"),
+                          "min": int(min(token_counts, default=0)), "max": int(max(token_counts, default=0))}}
+    if finish_reasons is not None:
+        out["finish_reasons"] = {r: finish_reasons.count(r) for r in sorted(set(map(str, finish_reasons)))}
+    so, described = getattr(args, "structured", None), getattr(args, "structured_report", None)
+    if so is not None:
+        out["structured_outputs"] = dict(described, ignore_eos=False)
+        if texts is not None:
+            out["structured_outputs"]["valid_outputs"] = sum(output_matches(so, t) for t in texts)
+    return out
+
+
+def _tokenizer_for(spec: str):
+    """The tokenizer of a preset, GGUF file or HF directory, without its weights (for --random-weights)."""
+    from pathlib import Path
+
+    from jaxspec.models.presets import PRESETS, preset_path
+    path = Path(preset_path(spec)) if spec in PRESETS else Path(spec).expanduser()
+    if path.is_dir():
+        from jaxspec.models.hf_loader import load_tokenizer_dir
+        tokenizer, ggufs = load_tokenizer_dir(path), sorted(path.glob("*.gguf"))
+        if tokenizer is not None or len(ggufs) != 1:
+            return tokenizer
+        path = ggufs[0]
+    if path.is_file():
+        from jaxspec.models.gguf_loader import open_gguf, tokenizer_from_gguf
+        return tokenizer_from_gguf(path, open_gguf(path))
+    return None
+
+
 # ---- one configuration -------------------------------------------------------------------------------
 def _pct(xs, q):
     return float(np.percentile(xs, q)) if xs else float("nan")
@@ -192,8 +294,9 @@ def output_digest(token_ids: list[list[int]]) -> str:
 
 def run_config(llm, workload: Workload, args, label: str) -> dict:
     from jaxspec import SamplingParams
-    params = [SamplingParams(temperature=args.temperature, max_tokens=n, ignore_eos=args.ignore_eos,
-                             seed=args.seed + i) for i, n in enumerate(workload.output_lens)]
+    so = getattr(args, "structured", None)   # a constrained request ends where its automaton accepts
+    params = [SamplingParams(temperature=args.temperature, max_tokens=n, ignore_eos=args.ignore_eos and so is None,
+                             seed=args.seed + i, structured_outputs=so) for i, n in enumerate(workload.output_lens)]
     engine = llm.engine
     start_steps = engine.counters["steps"]
     t0 = time.perf_counter()
@@ -217,6 +320,8 @@ def run_config(llm, workload: Workload, args, label: str) -> dict:
         "recompiles": engine.stats()["recompiles"],
         # Which tokens came out (configurations that must agree, e.g. sync and async greedy, compare this)
         "output_digest": output_digest([o.token_ids for o in outs]),
+        **output_summary(args, [len(o.token_ids) for o in outs], [o.text for o in outs],
+                         [o.finish_reason for o in outs]),
     }
     if "spec" in engine.stats():
         res["spec"] = engine.stats()["spec"]
@@ -277,7 +382,8 @@ def _speedup_bounds(results: list[dict]):
     output throughput reached (meaningful when --max-concurrency equals the steady-state batch)."""
     plain = {r["label"]: r for r in results if "spec" not in r and "steady" in r}
     for r in results:
-        base = plain.get(r["label"].split("+")[0])
+        parts = r["label"].split("+")   # mode+method[+...]: the plain run's label drops the method
+        base = plain.get("+".join(parts[:1] + parts[2:]))
         if "spec" not in r or "steady" not in r or base is None:
             continue
         r["speedup_bound"] = []
@@ -303,6 +409,17 @@ def print_report(r: dict):
             ("Engine steps", r.get("steps", "-")), ("Recompiles after warm-up", r.get("recompiles", "-"))]
     if np.isfinite(r.get("request_rate", float("inf"))):
         rows.insert(1, ("Request rate (req/s, Poisson)", f"{r['request_rate']:.2f}"))
+    if "output_len" in r:
+        ol = r["output_len"]
+        rows.append(("Output length (mean/min/max)", f"{ol['mean']:.1f}/{ol['min']}/{ol['max']}"))
+    if "finish_reasons" in r:
+        rows.append(("Finish reasons", " ".join(f"{k}:{v}" for k, v in r["finish_reasons"].items())))
+    if "structured_outputs" in r:
+        so = r["structured_outputs"]
+        compact = ", no whitespace" if so.get("disable_any_whitespace") else ""
+        rows.append(("Structured outputs", f"{so['kind']} ({os.path.basename(so['source'])}{compact})"))
+        if "valid_outputs" in so:
+            rows.append(("Outputs matching the constraint", f"{so['valid_outputs']}/{r['requests']}"))
     if "prefix_cache" in r:
         pc = r["prefix_cache"]
         rows.append(("Prefix cache hit rate (%)", f"{100 * pc['hit_rate']:.1f}" if pc["enabled"] else "off"))
@@ -385,14 +502,28 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--base-url with random prompts: token ids are drawn below this (no model is loaded)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                   help="requests run to --output-len (not for constrained requests: they end where their "
+                        "constraint is complete)")
+    constraint = p.add_mutually_exclusive_group()
+    constraint.add_argument("--structured-json", metavar="SCHEMA",
+                            help="structured outputs: every request's output is JSON matching this schema (a "
+                                 "file, e.g. scripts/schemas/person.json, or the schema's JSON text)")
+    constraint.add_argument("--structured-regex", metavar="REGEX",
+                            help="structured outputs: every request's output matches this regular expression")
+    constraint.add_argument("--structured-choice", metavar="CHOICE", nargs="+",
+                            help="structured outputs: every request's output is one of these strings")
+    p.add_argument("--structured-disable-any-whitespace", action="store_true",
+                   help="--structured-json: no whitespace between JSON tokens, in jaxspec and vLLM alike (by "
+                        "default jaxspec allows one optional space there and vLLM's xgrammar any whitespace, "
+                        "which a model with random weights may spend its --output-len on)")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--async", dest="async_scheduling", action="store_true", default=True)
     mode.add_argument("--sync", dest="async_scheduling", action="store_false")
     p.add_argument("--compare", action="store_true", help="sync/async x speculation off/on, with ratios")
     p.add_argument("--steady-state", type=int, nargs="*", metavar="BATCH",
                    help="also measure steady-state decode step time, device-busy fraction and HBM roofline "
-                        "at these batch sizes")
+                        "at these batch sizes (unconstrained requests, also with --structured-*)")
     p.add_argument("--steady-steps", type=int, default=32)
     p.add_argument("--hbm-bandwidth", type=float, default=HBM_BANDWIDTH, help="bytes/s for the roofline")
     p.add_argument("--baseline", choices=["hf", "vllm"],
@@ -403,6 +534,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vllm-model", default=None,
                    help="--baseline vllm: the model path vLLM loads (default: --model's file or directory; with "
                         "--random-weights a directory holding the model's config.json is enough)")
+    p.add_argument("--vllm-tokenizer", default=None,
+                   help="--baseline vllm with --structured-*: the tokenizer vLLM loads (vLLM needs one to build "
+                        "its grammar; default: jaxspec's own tokenizer of the model, saved to a temporary directory)")
     p.add_argument("--vllm-python", default=sys.executable,
                    help="--baseline vllm: the Python interpreter that has vLLM (default: this one)")
     p.add_argument("--json", help="write the results here")
@@ -418,8 +552,21 @@ def _load(args):
     dtype = _resolve_dtype(args.dtype)
     if args.random_weights:
         from jaxspec.models.random import random_model
-        return random_model(args.model, dtype=dtype, seed=args.seed)
+        model = random_model(args.model, dtype=dtype, seed=args.seed)
+        if getattr(args, "structured", None) is not None:   # the constraint is compiled over the vocabulary
+            model.tokenizer = _tokenizer_for(args.model)
+            if model.tokenizer is None:
+                raise SystemExit(f"--structured-* needs a tokenizer, and --model {args.model!r} has none")
+        return model
     return load_model(args.model, dtype=dtype)
+
+
+def _vllm_constraint(described: dict | None) -> dict | None:
+    """The fields of vLLM's StructuredOutputsParams for the constraint the report describes."""
+    if described is None:
+        return None
+    kind = described["kind"]
+    return {kind: described[kind], **{k: described[k] for k in ("disable_any_whitespace",) if k in described}}
 
 
 def _vllm_side_by_side(args, model, workload: Workload, ours: dict) -> dict:
@@ -431,30 +578,54 @@ def _vllm_side_by_side(args, model, workload: Workload, ours: dict) -> dict:
         return str(preset_path(spec)) if spec in PRESETS else spec
     prompts = [p if isinstance(p, list) else model.tokenizer.encode(p, add_special_tokens=True)
                for p in workload.prompts]
-    request = build_request(args, prompts, list(workload.output_lens), args.vllm_model or path(args.model),
-                            path(args.draft_model) if args.draft_model else None)
-    res = run_vllm_baseline(request, python=args.vllm_python)
-    res["output_digest"] = output_digest(res.pop("token_ids"))
+    structured = args.structured_report
+    with tempfile.TemporaryDirectory(prefix="jaxspec-vllm-tokenizer-") as tmp:
+        tokenizer = args.vllm_tokenizer
+        if structured is not None and tokenizer is None:   # vLLM builds its grammar from a tokenizer
+            model.tokenizer.hf.save_pretrained(tmp)
+            tokenizer = tmp
+        request = build_request(args, prompts, list(workload.output_lens), args.vllm_model or path(args.model),
+                                path(args.draft_model) if args.draft_model else None,
+                                structured=_vllm_constraint(structured),
+                                tokenizer=tokenizer)
+        res = run_vllm_baseline(request, python=args.vllm_python)
+    token_ids = res.pop("token_ids")
+    res["output_digest"] = output_digest(token_ids)
+    eos = set(model.tokenizer.eos_token_ids) if model.tokenizer is not None else set()
+    texts = None
+    if structured is not None:
+        texts = [model.tokenizer.decode(ids[:-1] if ids and ids[-1] in eos else ids) for ids in token_ids]
+    res.update(output_summary(args, [len(ids) for ids in token_ids], texts, res.pop("finish_reasons", None)))
+    if structured is not None:
+        res["label"] += "+" + structured["kind"]
     acc = (f", acceptance length {res['spec']['mean_acceptance_length']:.2f} (jaxspec "
            f"{ours['spec']['mean_acceptance_length']:.2f})" if "spec" in res and "spec" in ours else "")
     print(f"{res['label']:<28}{res['output_throughput']:>10.2f} tok/s, mean TPOT {res['tpot_ms']['mean']:.2f} ms{acc}; "
           f"jaxspec {ours['label']}: {ours['output_throughput']:.2f} tok/s = "
           f"{ours['output_throughput'] / res['output_throughput']:.2f}x vLLM; same tokens: "
           f"{res['output_digest'] == ours.get('output_digest')}")
+    if structured is not None:
+        mine = ours["structured_outputs"].get("valid_outputs")
+        print(f"{res['label']}: {res['structured_outputs']['valid_outputs']}/{res['requests']} outputs match the "
+              f"constraint, {res['output_len']['mean']:.1f} tokens each on average (jaxspec {mine}/{ours['requests']}, "
+              f"{ours['output_len']['mean']:.1f})")
     return res
 
 
 def run(argv=None) -> list[dict]:
     """Runs the benchmark the arguments describe and returns its results (one dict per configuration)."""
     args = build_parser().parse_args(argv)
+    args.structured, args.structured_report = structured_from_args(args)
     from jaxspec import LLM
     from jaxspec import bench_online
+    from jaxspec.decode.sampling import is_random
     if args.base_url:
         tokenizer = None
         if args.dataset not in ("random", "prefix", "repeat"):
             tokenizer = _load(args).tokenizer
         workload = load_workload(args, tokenizer, args.vocab_size)
-        res = bench_online.run_online(bench_online.http_backend(args), workload.as_sessions(), args, "serve")
+        label = "serve" + ("+" + args.structured.kind if args.structured is not None else "")
+        res = bench_online.run_online(bench_online.http_backend(args), workload.as_sessions(), args, label)
         print_report(res)
         if args.json:
             with open(args.json, "w") as f:
@@ -509,9 +680,14 @@ def run(argv=None) -> list[dict]:
         llm = LLM(model, max_num_seqs=args.max_concurrency, max_model_len=args.max_model_len,
                   max_num_batched_tokens=args.max_num_batched_tokens, async_scheduling=async_mode,
                   speculative_config=sp, seed=args.seed, attention=args.attention, delta_rule=args.delta_rule,
-                  enable_prefix_caching=args.enable_prefix_caching, tensor_parallel_size=args.tensor_parallel_size)
+                  enable_prefix_caching=args.enable_prefix_caching, tensor_parallel_size=args.tensor_parallel_size,
+                  structured_compile_timeout=3600.0)
         if not args.enable_prefix_caching:
             label += "+no-prefix-cache"
+        if args.structured is not None:
+            label += "+" + args.structured.kind
+            # its automaton and grammar steps, compiled before the clock starts
+            llm.engine.warmup_structured(args.structured, sample=is_random(args.temperature))
         if args.profile and i == 0:
             import jax
             jax.profiler.start_trace(args.profile)

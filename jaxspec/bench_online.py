@@ -25,6 +25,8 @@ class Sent:
     chunk_times: list[float]      # arrival times of chunks that carried tokens
     e2e: float
     token_ids: list[int] | None   # (in-process backend only)
+    text: str = ""                # the output's text, as it streamed in
+    finish_reason: str | None = None
 
 
 class LocalBackend:
@@ -38,7 +40,7 @@ class LocalBackend:
         sink = AsyncSink(asyncio.get_running_loop())
         t0 = time.perf_counter()
         (group,) = self.llm.add_requests([prompt], params, outputs=sink)
-        ttft, times, ids = None, [], []
+        ttft, times, ids, text = None, [], [], ""
         while True:
             delta = await sink.queue.get()
             now = time.perf_counter()
@@ -46,9 +48,11 @@ class LocalBackend:
                 ttft = now - t0 if ttft is None else ttft
                 times.append(now)
                 ids += delta.token_ids
+            text += delta.text
             if delta.finished:
                 break
-        return Sent(len(group[0].prompt_token_ids), len(ids), ttft, times, time.perf_counter() - t0, ids)
+        return Sent(len(group[0].prompt_token_ids), len(ids), ttft, times, time.perf_counter() - t0, ids, text,
+                    delta.finish_reason)
 
     def close(self):
         self.llm.engine.stop()
@@ -69,8 +73,11 @@ class HTTPBackend:
         body = {"model": self.model, "prompt": prompt, "max_tokens": params.max_tokens,
                 "temperature": params.temperature, "seed": params.seed, "ignore_eos": params.ignore_eos,
                 "stream": True, "stream_options": {"include_usage": True}}
+        so = params.structured_outputs
+        if so is not None:   # vLLM's (and jaxspec serve's) extra body field
+            body["structured_outputs"] = {so.kind: getattr(so, so.kind)}
         t0 = time.perf_counter()
-        ttft, times, usage = None, [], None
+        ttft, times, usage, text, finish = None, [], None, "", None
         async with self.client.stream("POST", self.url, json=body) as r:
             if r.status_code != 200:
                 raise RuntimeError(f"{self.url} answered {r.status_code}: {(await r.aread()).decode()[:300]}")
@@ -84,9 +91,12 @@ class HTTPBackend:
                 if chunk["choices"]:
                     ttft = now - t0 if ttft is None else ttft
                     times.append(now)
+                    text += chunk["choices"][0].get("text") or ""
+                    finish = chunk["choices"][0].get("finish_reason") or finish
         if usage is None:
             raise RuntimeError("the server sent no usage (it needs stream_options.include_usage)")
-        return Sent(usage["prompt_tokens"], usage["completion_tokens"], ttft, times, time.perf_counter() - t0, None)
+        return Sent(usage["prompt_tokens"], usage["completion_tokens"], ttft, times, time.perf_counter() - t0, None,
+                    text, finish)
 
     def close(self):
         pass
@@ -121,9 +131,12 @@ def run_online(backend, sessions: list[list[tuple]], args, label: str) -> dict:
 
     from jaxspec import SamplingParams
 
+    so = getattr(args, "structured", None)   # a constrained request ends where its automaton accepts
+
     def params_for(i, t, out_len):
-        return SamplingParams(temperature=args.temperature, max_tokens=out_len, ignore_eos=args.ignore_eos,
-                              seed=args.seed + 1000 * t + i)
+        return SamplingParams(temperature=args.temperature, max_tokens=out_len,
+                              ignore_eos=args.ignore_eos and so is None, seed=args.seed + 1000 * t + i,
+                              structured_outputs=so)
     num = sum(len(s) for s in sessions)
     bar = tqdm(total=num, desc=f"{label} requests", disable=args.quiet, unit="req")
     t0 = time.perf_counter()
@@ -149,8 +162,10 @@ def run_online(backend, sessions: list[list[tuple]], args, label: str) -> dict:
             "output_throughput": n_out / duration, "total_throughput": (n_in + n_out) / duration,
             "request_rate": args.request_rate, "max_concurrency": args.max_concurrency,
             "ttft_ms": stats(ttft), "tpot_ms": stats(tpot), "itl_ms": stats(itl)}
+    from jaxspec.bench import output_digest, output_summary
+    res.update(output_summary(args, [s.output_tokens for s in sent], [s.text for s in sent],
+                              [s.finish_reason for s in sent]))
     if all(s.token_ids is not None for s in sent):
-        from jaxspec.bench import output_digest
         res["output_digest"] = output_digest([s.token_ids for s in sent])
     return res
 

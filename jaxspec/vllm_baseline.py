@@ -6,6 +6,12 @@ wall time, TPOT where vLLM reports per-request times, and with speculation vLLM'
 (`vllm:spec_decode_*` from `LLM.get_metrics()`). It runs before jaxspec touches the GPU, with a share of the
 device memory each (`--vllm-memory-fraction`), so the two never hold the same memory.
 
+With a constraint (`jaxspec-bench --structured-json/-regex/-choice`) every request carries vLLM's
+`SamplingParams(structured_outputs=StructuredOutputsParams(json=... | regex=... | choice=...))`; vLLM then needs
+a tokenizer (it builds its grammar from one, so `skip_tokenizer_init` is off and `tokenizer` names it), EOS is
+not ignored (after a complete output vLLM stops masking: ignored, it would generate unconstrained tokens), and
+the warm-up runs constrained too, so that vLLM compiles the grammar before the timed run.
+
     python -m jaxspec.vllm_baseline REQUEST.json RESULT.json     # what the bench runs
 """
 from __future__ import annotations
@@ -27,8 +33,10 @@ def vllm_available() -> bool:
 
 
 def build_request(args, prompts: list[list[int]], output_lens: list[int], model_path: str,
-                  draft_path: str | None) -> dict:
-    """What the child runs: everything as plain JSON (token ids, not text: vLLM skips its tokenizer)."""
+                  draft_path: str | None, structured: dict | None = None, tokenizer: str | None = None) -> dict:
+    """What the child runs: everything as plain JSON (token ids, not text: vLLM skips its tokenizer unless a
+    constraint needs it). `structured`: {kind: constraint} (kind json, regex or choice), on every request;
+    `tokenizer`: the tokenizer vLLM loads for it."""
     spec = None
     if args.spec_method:
         spec = {"method": _VLLM_METHOD[args.spec_method], "num_speculative_tokens": args.num_spec_tokens}
@@ -39,9 +47,10 @@ def build_request(args, prompts: list[list[int]], output_lens: list[int], model_
     return {"model": model_path, "prompts": prompts, "output_lens": output_lens,
             "max_num_seqs": args.max_concurrency, "max_model_len": args.max_model_len,
             "max_num_batched_tokens": args.max_num_batched_tokens, "temperature": args.temperature,
-            "seed": args.seed, "ignore_eos": args.ignore_eos, "random_weights": args.random_weights,
-            "dtype": "bfloat16" if args.dtype == "auto" else args.dtype, "speculative_config": spec,
-            "gpu_memory_utilization": args.vllm_memory_fraction}
+            "seed": args.seed, "ignore_eos": args.ignore_eos and structured is None,
+            "random_weights": args.random_weights, "dtype": "bfloat16" if args.dtype == "auto" else args.dtype,
+            "speculative_config": spec, "gpu_memory_utilization": args.vllm_memory_fraction,
+            "structured_outputs": structured, "tokenizer": tokenizer}
 
 
 def run_vllm_baseline(request: dict, python: str = sys.executable, timeout: float | None = None) -> dict:
@@ -89,22 +98,33 @@ def _child(request_path: str, result_path: str):
 
     with open(request_path) as f:
         r = json.load(f)
-    spec = r["speculative_config"]
+    spec, structured = r["speculative_config"], r.get("structured_outputs")
     kwargs = dict(model=r["model"], max_num_seqs=r["max_num_seqs"], max_model_len=r["max_model_len"],
                   max_num_batched_tokens=r["max_num_batched_tokens"], dtype=r["dtype"], seed=r["seed"],
-                  skip_tokenizer_init=True, gpu_memory_utilization=r["gpu_memory_utilization"],
+                  skip_tokenizer_init=structured is None,   # vLLM builds a grammar from the tokenizer
+                  gpu_memory_utilization=r["gpu_memory_utilization"],
                   disable_log_stats=spec is None)   # stats cost time per step: on only to read acceptance
+    if structured is not None and r.get("tokenizer"):
+        kwargs["tokenizer"] = r["tokenizer"]
     if r["random_weights"]:
         kwargs["load_format"] = "dummy"
     if spec is not None:
         kwargs["speculative_config"] = spec
     llm = LLM(**kwargs)
     prompts = [{"prompt_token_ids": ids} for ids in r["prompts"]]
+
+    def constraint() -> dict:   # each request its own StructuredOutputsParams (vLLM annotates it per request)
+        if structured is None:
+            return {}
+        from vllm.sampling_params import StructuredOutputsParams
+        return {"structured_outputs": StructuredOutputsParams(**structured)}
     params = [SamplingParams(temperature=r["temperature"], max_tokens=n, ignore_eos=r["ignore_eos"],
-                             seed=r["seed"] + i, detokenize=False) for i, n in enumerate(r["output_lens"])]
-    llm.generate(prompts[:min(len(prompts), r["max_num_seqs"])],
-                 [SamplingParams(temperature=r["temperature"], max_tokens=8, detokenize=False)] *
-                 min(len(prompts), r["max_num_seqs"]), use_tqdm=False)   # warm-up: compiles and graphs
+                             seed=r["seed"] + i, detokenize=False, **constraint())
+              for i, n in enumerate(r["output_lens"])]
+    warm = min(len(prompts), r["max_num_seqs"])
+    llm.generate(prompts[:warm], [SamplingParams(temperature=r["temperature"], max_tokens=8, detokenize=False,
+                                                 **constraint()) for _ in range(warm)],
+                 use_tqdm=False)   # warm-up: compiles, graphs and the grammar
     before = _metric_values(llm.get_metrics()) if spec is not None else {}
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -113,6 +133,7 @@ def _child(request_path: str, result_path: str):
     tpots = [t for t in map(_tpot, outs) if t is not None]
     label = "vllm" + (f"+{spec['method']}" if spec else "")
     result = {"label": label, "requests": len(outs), "duration_s": duration, "output_tokens": n_out,
+              "finish_reasons": [getattr(o.outputs[0], "finish_reason", None) for o in outs],
               "output_throughput": n_out / duration, "batch": r["max_num_seqs"],
               "tpot_ms": {"mean": 1e3 * float(np.mean(tpots)) if tpots else float("nan"),
                           "median": 1e3 * float(np.median(tpots)) if tpots else float("nan")},

@@ -164,10 +164,14 @@ class EagleReference:
         ids = jnp.asarray(ids)
         return self.logits(self.hidden(self.features(ids)[:-1], ids[1:]))
 
-    def greedy_drafts(self, ids, k: int, length: int = 64) -> list[int]:
+    def greedy_drafts(self, ids, k: int, length: int = 64, allowed=None) -> list[int]:
         """The k argmax drafts after the sequence `ids`: the head over all its pairs, then k times its own
         last output hidden paired with its own draft. Sequences are padded to `length` pairs (causal: the
-        padding never reaches earlier pairs), so one compilation serves every prefix."""
+        padding never reaches earlier pairs), so one compilation serves every prefix.
+
+        `allowed(drafts so far) -> sorted token ids, or None` restricts each draft to those tokens (structured
+        outputs); where none of them has a finite logit (an EAGLE-3 draft vocabulary may miss them all) the
+        draft is the unrestricted argmax."""
         if not hasattr(self, "_hidden_jit"):
             self._hidden_jit = jax.jit(self.hidden)
             self._features_jit = jax.jit(self.features)
@@ -180,7 +184,12 @@ class EagleReference:
         drafts = []
         for j in range(k):
             h = np.asarray(self._hidden_jit(jnp.asarray(feats), jnp.asarray(toks)))[n - 2 + j]
-            d = int(jnp.argmax(self.logits(jnp.asarray(h)[None])[0]))
+            logits = np.asarray(self.logits(jnp.asarray(h)[None])[0])
+            ok = allowed(drafts) if allowed is not None else None
+            if ok is not None and len(ok) and np.isfinite(logits[ok]).any():
+                d = int(ok[int(np.argmax(logits[ok]))])
+            else:
+                d = int(np.argmax(logits))
             drafts.append(d)
             feats[n - 1 + j], toks[n - 1 + j] = h, d
         return drafts

@@ -1,7 +1,40 @@
 """`jaxspec-bench` end to end on the CPU: the sync/async x speculation matrix, ShareGPT prompts, JSON out."""
 import json
+import os
+
+import jsonschema
+import pytest
 
 from jaxspec.bench import main
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PERSON = os.path.join(REPO, "scripts", "schemas", "person.json")   # the default schema of the GPU runs
+# A person the schema allows (what the fake vLLM answers, in SmolLM2 tokens)
+EXAMPLE = {"name": "Ada Lovelace", "country": "GB", "role": "analyst", "level": 5, "active": False,
+           "skills": ["math", "poetry"]}
+
+
+@pytest.fixture(scope="module")
+def json_model_dir(tmp_path_factory, smollm2_gguf_path):
+    """A tiny random llama checkpoint (an HF directory: config.json, model.safetensors) whose vocabulary is
+    SmolLM2's first 512 tokens (every byte and the first merges), with SmolLM2's tokenizer files: its outputs are
+    real text, and it compiles and decodes in seconds. Unconstrained, a random model's text is never JSON: a
+    constraint has to do all the work."""
+    from safetensors.numpy import save_file
+    from conftest import random_model
+    from jaxspec.models.gguf_loader import hf_tokenizer_from_gguf
+    path = tmp_path_factory.mktemp("json_model")
+    model = random_model(0, vocab_size=512, max_position_embeddings=512)
+    c = model.config
+    save_file(model.hf_tensors, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": c.vocab_size,
+        "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size, "num_hidden_layers": c.num_layers,
+        "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads, "rms_norm_eps": c.rms_norm_eps,
+        "rope_theta": c.rope_theta, "max_position_embeddings": c.max_position_embeddings,
+        "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32"}))
+    hf_tokenizer_from_gguf(smollm2_gguf_path).save_pretrained(str(path))
+    return path
 
 
 def test_compare_matrix_on_sharegpt_writes_json(tmp_path, capsys):
@@ -64,6 +97,12 @@ def test_poisson_arrivals_on_a_shared_prefix_match_the_offline_run(tmp_path):
     assert results["online"]["ttft_ms"]["median"] > 0 and results["online"]["tpot_ms"]["median"] > 0
 
 
+FAKE_SAMPLING_PARAMS = '''
+class StructuredOutputsParams:   # vllm.sampling_params.StructuredOutputsParams: the constraint it was given
+    def __init__(self, **kwargs):
+        self.kwargs = kwargs
+'''
+
 FAKE_VLLM = '''
 """A stand-in for vLLM's offline API (LLM, SamplingParams, get_metrics): it records what it was asked to run."""
 import json, os, types
@@ -87,19 +126,30 @@ class Vector:
 class LLM:
     def __init__(self, **kwargs):
         self.kwargs, self.calls = kwargs, 0
+        tokenizer = kwargs.get("tokenizer")   # a directory that exists while the child runs
+        self.tokenizer_files = sorted(os.listdir(tokenizer)) if tokenizer else None
 
     def generate(self, prompts, params, use_tqdm=True):
         self.calls += 1
+        structured = [getattr(sp, "structured_outputs", None) for sp in params]
         with open(os.environ["FAKE_VLLM_LOG"], "a") as f:
             f.write(json.dumps({"llm": {k: v for k, v in self.kwargs.items()},
+                                "tokenizer_files": self.tokenizer_files,
                                 "prompts": [p["prompt_token_ids"] for p in prompts],
                                 "max_tokens": [p.max_tokens for p in params],
-                                "temperature": [p.temperature for p in params]}) + "\\n")
+                                "temperature": [p.temperature for p in params],
+                                "ignore_eos": [getattr(p, "ignore_eos", None) for p in params],
+                                "structured": [None if so is None else so.kwargs for so in structured]}) + "\\n")
         outs = []
-        for p, sp in zip(prompts, params):
-            ids = (p["prompt_token_ids"] * sp.max_tokens)[:sp.max_tokens]
+        for p, sp, so in zip(prompts, params, structured):
+            if so is not None and "FAKE_VLLM_OUTPUT" in os.environ:   # what a constrained run emits
+                ids = json.loads(os.environ["FAKE_VLLM_OUTPUT"])[:sp.max_tokens]
+            else:
+                ids = (p["prompt_token_ids"] * sp.max_tokens)[:sp.max_tokens]
             metrics = types.SimpleNamespace(first_token_ts=0.0, last_token_ts=0.004 * (len(ids) - 1))
-            outs.append(types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=ids)], metrics=metrics))
+            finish = "stop" if so is not None and "FAKE_VLLM_OUTPUT" in os.environ else "length"
+            outs.append(types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=ids, finish_reason=finish)],
+                                              metrics=metrics))
         return outs
 
     def get_metrics(self):   # every generate call drafts 10 times and accepts 15 tokens (the warm-up a few more)
@@ -111,14 +161,18 @@ class LLM:
 '''
 
 
-def test_vllm_baseline_runs_the_same_workload_in_its_own_process(tmp_path, monkeypatch, capsys):
+def test_vllm_baseline_runs_the_same_workload_in_its_own_process(tmp_path, monkeypatch, capsys, json_model_dir):
     """--baseline vllm: the child process gets the same token ids, lengths, batch size, sampling and speculation,
-    and its acceptance comes from vLLM's own counters (over the timed run only, not the warm-up)."""
+    and its acceptance comes from vLLM's own counters (over the timed run only, not the warm-up). With
+    --structured-json every request of the child (the warm-up's too) carries the schema as vLLM's
+    StructuredOutputsParams(json=...), EOS is not ignored, vLLM loads a tokenizer (jaxspec's, saved for it), and
+    the report checks vLLM's outputs against the schema as it checks jaxspec's."""
     import os
     import pytest
     fake = tmp_path / "fake"
     (fake / "vllm").mkdir(parents=True)
     (fake / "vllm" / "__init__.py").write_text(FAKE_VLLM)
+    (fake / "vllm" / "sampling_params.py").write_text(FAKE_SAMPLING_PARAMS)
     log = tmp_path / "vllm.log"
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(fake), repo, os.environ.get("PYTHONPATH", "")]))
@@ -143,10 +197,79 @@ def test_vllm_baseline_runs_the_same_workload_in_its_own_process(tmp_path, monke
     assert timed["max_tokens"] == [4, 4, 4] and timed["temperature"] == [0.0] * 3
     assert all(len(p) == 5 for p in timed["prompts"]) and len(warm["prompts"]) == 2
     assert ours["input_tokens"] == sum(map(len, timed["prompts"])) == 15
+    assert timed["structured"] == [None] * 3 and timed["ignore_eos"] == [True] * 3 and "tokenizer" not in timed["llm"]
     assert "x vLLM" in capsys.readouterr().out
+
+    # A JSON schema on every request (the tiny model with SmolLM2's tokenizer; the fake vLLM answers every
+    # constrained request with EXAMPLE's tokens and EOS)
+    from jaxspec.bench import _tokenizer_for
+    example = _tokenizer_for(str(json_model_dir)).encode(json.dumps(EXAMPLE)) + [2]
+    monkeypatch.setenv("FAKE_VLLM_OUTPUT", json.dumps(example))
+    log.unlink()
+    with open(PERSON) as f:
+        schema = json.load(f)
+    assert main(["--model", str(json_model_dir), "--dtype", "float32", "--dataset", "random", "--num-prompts", "3",
+                 "--input-len", "5", "--output-len", "200", "--max-concurrency", "2", "--max-model-len", "256",
+                 "--max-num-batched-tokens", "8", "--spec-method", "ngram", "--num-spec-tokens", "2",
+                 "--structured-json", PERSON, "--structured-disable-any-whitespace", "--json", str(out), "--quiet",
+                 "--baseline", "vllm"]) == 0
+    ours, theirs = json.loads(out.read_text())
+    warm, timed = [json.loads(line) for line in log.read_text().splitlines()]
+    constraint = {"json": schema, "disable_any_whitespace": True}
+    assert timed["structured"] == [constraint] * 3 and warm["structured"] == [constraint] * 2
+    assert timed["ignore_eos"] == [False] * 3 and timed["max_tokens"] == [200] * 3
+    assert timed["llm"]["skip_tokenizer_init"] is False and "tokenizer.json" in timed["tokenizer_files"]
+    assert ours["label"] == "async+ngram+json" and theirs["label"] == "vllm+ngram+json"
+    for r in (ours, theirs):
+        assert r["structured_outputs"] == {"kind": "json", "json": schema, "source": PERSON, "ignore_eos": False,
+                                           "disable_any_whitespace": True, "valid_outputs": 3}, r["label"]
+        assert r["finish_reasons"] == {"stop": 3}, r["label"]
+    assert theirs["output_tokens"] == 3 * len(example) and theirs["output_len"]["mean"] == len(example)
+    assert "3/3 outputs match the constraint" in capsys.readouterr().out
     # without vLLM: a clear error before anything is loaded
     import importlib.util
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
     with pytest.raises(SystemExit, match="needs vLLM"):
         main(args)
+
+
+def test_person_schema_is_a_bounded_json_schema():
+    """scripts/schemas/person.json: a valid JSON schema that outlines-core compiles (the one engine-side
+    compiler) into a regex with no unbounded repetition (every output has a bounded length, whatever the model:
+    a random model ends too), and an example instance validates."""
+    import re
+    from outlines_core.json_schema import build_regex_from_schema
+    with open(PERSON) as f:
+        schema = json.load(f)
+    jsonschema.Draft202012Validator.check_schema(schema)
+    jsonschema.validate(EXAMPLE, schema)
+    regex = build_regex_from_schema(json.dumps(schema))
+    assert not re.search(r"(?<!\\)[*+]|\{\d+,\}", regex), regex
+    assert re.fullmatch(regex, json.dumps(EXAMPLE))
+
+
+def test_structured_json_on_every_request_validates_offline_and_online(tmp_path, json_model_dir):
+    """--structured-json (the person schema file) on every request, all at once and arriving over time: every
+    output validates against the schema, ends where its automaton accepts (finish reason stop, before
+    --output-len, although --ignore-eos is on by default), and the report records the constraint, the tokens
+    actually generated and how many outputs match. (With speculation: the --baseline vllm test below.)"""
+    # One token bucket (8): few compilations.
+    common = ["--model", str(json_model_dir), "--dtype", "float32", "--dataset", "random", "--num-prompts", "3",
+              "--input-len", "6", "--output-len", "200", "--max-concurrency", "2", "--max-model-len", "256",
+              "--max-num-batched-tokens", "8", "--structured-json", PERSON, "--quiet"]
+    results = {}
+    for name, extra in [("offline", []), ("online", ["--request-rate", "50"])]:
+        out = tmp_path / f"{name}.json"
+        assert main(common + extra + ["--json", str(out)]) == 0
+        (results[name],) = json.loads(out.read_text())
+    with open(PERSON) as f:
+        schema = json.load(f)
+    for name, r in results.items():
+        assert r["label"] == "async+json", name
+        assert r["structured_outputs"] == {"kind": "json", "json": schema, "source": PERSON, "ignore_eos": False,
+                                           "valid_outputs": 3}, name
+        assert r["finish_reasons"] == {"stop": 3} and r["output_len"]["max"] < 200, (name, r["output_len"])
+        assert r["output_tokens"] == round(3 * r["output_len"]["mean"]) and r["output_len"]["min"] > 20, name
+        assert r["recompiles"] == 0, name   # the grammar steps were compiled before the clock started
+    assert results["offline"]["output_digest"] == results["online"]["output_digest"]

@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 from conftest import random_model
-from reference import Greedy, target_forward
+from eagle_heads import write_eagle3_head
+from reference import EagleReference, Greedy, greedy_spec_counts, target_forward
 from test_spec import chi2_rejects
 from jaxspec import LLM, SamplingParams, StructuredOutputsParams
 from jaxspec.structured.compiler import GrammarCompiler, token_bytes
@@ -74,6 +75,15 @@ def draft(target):
 
 
 @pytest.fixture(scope="module")
+def eagle3_head(target, tmp_path_factory):
+    """A random EAGLE-3 head for the target in the published layout (tests/eagle_heads.py; its draft vocabulary a
+    random half of the target's). Fitting one to the target takes longer than this file's whole budget on a CPU;
+    under a grammar a random head's masked drafts are accepted wherever the grammar leaves one token (or the
+    masked argmaxes agree), at every draft position, and are rejected elsewhere."""
+    return write_eagle3_head(tmp_path_factory.mktemp("heads") / "eagle3", target.config, seed=3)
+
+
+@pytest.fixture(scope="module")
 def compiler(tokenizer):
     return GrammarCompiler(tokenizer, VOCAB)
 
@@ -88,13 +98,18 @@ class HostReference:
         self._logits = jax.jit(lambda ids: target_forward(t, target.config, ids)[0])
         self.length, self.eos, self.end = length, set(target.tokenizer.eos_token_ids), compiler.end_token
         self.index = compiler.index
+        self._graphs = []
 
     def logits(self, ids) -> np.ndarray:
         padded = np.zeros(self.length, np.int32)
         padded[:len(ids)] = ids
         return np.asarray(self._logits(jnp.asarray(padded)), np.float64)[len(ids) - 1]
 
-    def allowed(self, index, state) -> list[int]:
+    def graph(self, index) -> tuple[dict, set]:
+        """(transitions, the states from which the regex can still end) of `index`, computed once per Index."""
+        for known, edges, can_end in self._graphs:
+            if known is index:
+                return edges, can_end
         edges = index.get_transitions()
         can_end = {s for s, out in edges.items() if self.end in out}
         while True:   # states that reach one that can end
@@ -102,6 +117,11 @@ class HostReference:
             if not more:
                 break
             can_end |= more
+        self._graphs.append((index, edges, can_end))
+        return edges, can_end
+
+    def allowed(self, index, state) -> list[int]:
+        edges, can_end = self.graph(index)
         tokens = {t for t in index.get_allowed_tokens(state) if edges[state][t] in can_end}
         return sorted((tokens - self.eos - {self.end}) | (self.eos if self.end in edges[state] else set()))
 
@@ -198,6 +218,63 @@ def test_mixed_batches_under_speculation_preemption_async_and_sync(target, draft
         kept = [i for i in range(len(prompts)) if runs[0][i][1] == runs[1][i][1] == 0]
         assert kept and [runs[0][i][2:] for i in kept] == [runs[1][i][2:] for i in kept], (method, runs)
     assert [r[0] for r in tokens["ngram", True]] == [r[0] for r in tokens["draft_model", True]]
+
+
+def test_eagle3_drafts_inside_the_grammar_are_accepted_and_lossless(target, compiler, eagle3_head):
+    """An EAGLE-3 head drafting under a JSON schema and a regex, greedy, async and sync: the outputs are the host
+    reference's constrained greedy tokens (what decoding without speculation emits), valid, and each request's
+    drafted and accepted counts (and the accepted count per draft position) equal a step-by-step host
+    recomputation in which the head's drafts are its argmax over the tokens the automaton allows after the
+    sequence and the drafts before them (outlines-core's Index, not the engine's table; the unrestricted argmax
+    where the draft vocabulary holds no allowed token). Drafts the head proposed outside the grammar would be
+    rejected, not emitted: only these counts see a drafter that does not mask."""
+    from safetensors.numpy import load_file
+    from jaxspec.models.config import ModelConfig
+    k, max_tokens, length = 3, 60, 128
+    reference = HostReference(target, compiler, length)
+    hcfg = ModelConfig.from_hf({"model_type": "llama", **json.loads((eagle3_head / "config.json").read_text())})
+    head = EagleReference("eagle3", load_file(str(eagle3_head / "model.safetensors")), hcfg, target.hf_tensors,
+                          target.config)
+    constraints = [JSON, REGEX]
+    prompts = [prompt_of(7, 60), prompt_of(4, 61)]
+    outputs = [reference.greedy(so, p, max_tokens) for so, p in zip(constraints, prompts)]
+
+    def state_after(index, tokens):
+        """The Index's state after `tokens` (EOS keeps it, as the engine's automaton does); None outside."""
+        state = index.get_initial_state()
+        for t in tokens:
+            if state is None or t not in reference.allowed(index, state):
+                return None
+            state = state if t in reference.eos else index.get_next_state(state, t)
+        return state
+
+    expected = []
+    for so, prompt, out in zip(constraints, prompts, outputs):
+        index = reference.index(so)
+        assert out[-1] in reference.eos and reference.allowed(index, state_after(index, out)) == [out[-1]]
+        continuation = prompt + out + [out[-1]] * (k + 1)   # past the end the automaton allows EOS alone
+
+        def allowed_after(tokens, index=index):
+            state = state_after(index, tokens)
+            return None if state is None else reference.allowed(index, state)
+
+        def propose(seq, prompt_len=len(prompt), allowed_after=allowed_after):
+            return head.greedy_drafts(seq, k, length, allowed=lambda drafts: allowed_after(seq[prompt_len:] + drafts))
+        expected.append(greedy_spec_counts(continuation, len(prompt), len(out), ENGINE["max_model_len"], k, propose))
+    for mode in (True, False):
+        llm = LLM(target, **{**ENGINE, "num_kv_blocks": 64}, async_scheduling=mode,
+                  speculative_config=dict(method="eagle3", model=str(eagle3_head), num_speculative_tokens=k))
+        outs = run(llm, prompts, [SamplingParams(temperature=0, max_tokens=max_tokens, structured_outputs=so)
+                                  for so in constraints])
+        assert llm.stats()["num_preemptions"] == 0
+        for so, out, o in zip(constraints, outputs, outs):
+            assert o.token_ids == out and o.finish_reason == "stop" and valid(so, o.text), (mode, so.kind, o.text)
+        got = [(o.metrics["num_draft_tokens"], o.metrics["num_accepted_tokens"]) for o in outs]
+        assert got == [(e["draft_tokens"], e["accepted_tokens"]) for e in expected], f"async={mode}"
+        spec = llm.stats()["spec"]
+        per_position = np.round(np.asarray(spec["per_position_acceptance"]) * spec["drafts"]).astype(int)
+        assert per_position.tolist() == np.sum([e["per_position"] for e in expected], axis=0).tolist()
+        assert (per_position > 0).all() and 0 < spec["accepted_tokens"] < spec["draft_tokens"], spec
 
 
 def test_sampled_drafts_keep_the_constrained_distribution(target, draft, compiler):

@@ -137,12 +137,12 @@ class ModelRunner:
             raise ValueError("a grammar step variant needs the grammar table")
         return (grammar_table,)
 
-    def warmup(self, variants):
+    def warmup(self, variants, grammar_table=None):
         """Compiles the step for every token bucket and these variants (all-padding inputs touch only the
-        trash slot)."""
+        trash slot; grammar variants read `grammar_table`, whose shape they are compiled for)."""
         todo = [(T, v) for T in self.token_buckets for v in variants]
         for T, variant in tqdm(todo, desc="compiling steps", leave=False):
-            self.run(self.new_inputs(T), variant)
+            self.run(self.new_inputs(T), variant, grammar_table)
         self.last_inputs.clear()
         self._last_grammar.clear()
         self.issue_seconds.clear()

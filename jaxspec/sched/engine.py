@@ -589,14 +589,32 @@ class Engine:
                 self.step()
 
     # ---- compilation and stats ---------------------------------------------------------------------
-    def warmup(self):
-        """Compile the step for every token bucket and warm variant."""
+    def _warm_variants(self) -> list[StepVariant]:
         variants = list(WARM_VARIANTS)
         if self.k_chooser is not None:   # every draft width the chooser may pick
             variants += [dataclasses.replace(v, drafts=k) for k in range(self.step_config.num_speculative_tokens)
                          for v in WARM_VARIANTS]
-        self.runner.warmup(variants)
+        return variants
+
+    def warmup(self):
+        """Compile the step for every token bucket and warm variant."""
+        self.runner.warmup(self._warm_variants())
         self._compiled_at_warmup = self.runner.num_compiled()
+
+    def warmup_structured(self, params: StructuredOutputsParams, sample: bool | None = None):
+        """Compiles a constraint, places its automaton in the device table and compiles the grammar variants of
+        the step for every token bucket and that table's shape: requests with this constraint then compile
+        nothing (a benchmark, or a server that knows its constraints ahead). `sample`: only the greedy (False) or
+        only the random (True) variants; None: both. Call it with no request running."""
+        automaton = self.compile_structured(params)
+        with self._lock:
+            self.grammar_tables.acquire(automaton)   # its place stays after the release, until space is needed
+            self.grammar_tables.release(automaton)
+            variants = [dataclasses.replace(v, grammar=True) for v in self._warm_variants()
+                        if sample is None or v.sample == sample]
+            self.runner.warmup(variants, self.grammar_tables.device_table())
+            if self._compiled_at_warmup is not None:
+                self._compiled_at_warmup = self.runner.num_compiled()
 
     def stats(self) -> dict:
         c, runner = self.counters, self.runner
