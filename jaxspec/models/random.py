@@ -2,6 +2,8 @@
 shapes (step time, memory traffic) but not the checkpoint."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 
@@ -50,6 +52,9 @@ def random_model(spec, dtype="bfloat16", seed: int = 0) -> Model:
         config = spec
     elif spec in KNOWN_SHAPES:
         config = KNOWN_SHAPES[spec]
+    elif (Path(spec) / "config.json").is_file():   # an HF directory: its config.json alone (weights not needed)
+        from jaxspec.models.hf_loader import read_config
+        config = read_config(spec)
     else:
         from jaxspec.models.loader import load_model
         config = load_model(spec, dtype="float32").config
