@@ -489,7 +489,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=int, default=256)
     p.add_argument("--attention", default="auto", choices=["auto", "pallas", "reference"],
                    help="paged attention: the Pallas kernel or the jnp gather (auto: the kernel on a GPU)")
-    p.add_argument("--delta-rule", default="reference", choices=["reference", "pallas"],
+    p.add_argument("--delta-rule", default="auto", choices=["auto", "reference", "pallas"],
                    help="hybrid models' Gated DeltaNet recurrence: the JAX scan or the Pallas kernel")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="devices to split the model over")

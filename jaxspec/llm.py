@@ -35,7 +35,7 @@ class LLM:
                  async_scheduling: bool = True, speculative_config=None, enable_prefix_caching: bool = True,
                  warmup: bool = True, seed: int = 0, attention: str = "auto", unroll_layers: bool | None = None,
                  tensor_parallel_size: int = 1, structured_compile_timeout: float = 30.0,
-                 delta_rule: str = "reference"):
+                 delta_rule: str = "auto"):
         from jaxspec.models.loader import load_model
 
         self.model = model if hasattr(model, "params") else load_model(model, dtype=_resolve_dtype(dtype))

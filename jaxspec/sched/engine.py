@@ -62,7 +62,7 @@ class EngineConfig:
     # Device-specific choices, measured on an H100 (docs/benchmarks.md); "auto" picks the GPU ones there.
     attention: str = "auto"           # "pallas" (reads KV pages in place) or "reference" (jnp gather)
     unroll_layers: bool | None = None  # layers unrolled (stacked weights indexed statically) or scanned
-    delta_rule: str = "reference"     # Gated DeltaNet recurrence: "reference" (JAX scan) or "pallas" (kernel)
+    delta_rule: str = "auto"     # Gated DeltaNet recurrence: "reference" (JAX scan), "pallas" (kernel), "auto" (GPU: kernel)
     tensor_parallel_size: int = 1     # devices the model is split over (nn/sharding.py)
     structured_compile_timeout: float = 30.0   # seconds one request's structured-outputs constraint may compile
 
@@ -81,8 +81,8 @@ class EngineConfig:
                              "a number of seconds > 0")
         if self.attention not in ("auto", "pallas", "reference"):
             raise ValueError(f"attention={self.attention!r} is invalid; choose 'auto', 'pallas' or 'reference'")
-        if self.delta_rule not in ("pallas", "reference"):
-            raise ValueError(f"delta_rule={self.delta_rule!r} is invalid; choose 'pallas' or 'reference'")
+        if self.delta_rule not in ("auto", "pallas", "reference"):
+            raise ValueError(f"delta_rule={self.delta_rule!r} is invalid; choose 'auto', 'pallas' or 'reference'")
 
 
 @dataclasses.dataclass
