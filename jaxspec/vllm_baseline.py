@@ -106,6 +106,10 @@ def _child(request_path: str, result_path: str):
                   disable_log_stats=spec is None)   # stats cost time per step: on only to read acceptance
     if structured is not None and r.get("tokenizer"):
         kwargs["tokenizer"] = r["tokenizer"]
+    if structured is not None and structured.get("disable_any_whitespace"):
+        # vLLM's grammar backends read this from the engine's config, not from the request's params (the
+        # request's field alone leaves whitespace free: a random-weights model then fills its whole output with it)
+        kwargs["structured_outputs_config"] = {"disable_any_whitespace": True}
     if r["random_weights"]:
         kwargs["load_format"] = "dummy"
     if spec is not None:
