@@ -63,7 +63,7 @@ def main():
     W = args.k + 1
     cases = [("decode", r, 1) for r in (1, 8, 32)] + [("verify", r, 1 + args.k) for r in (1, 8, 32)] + \
             [("prefill", 1, 512)]
-    scan, kernel = jax.jit(delta_rule_scan, donate_argnums=()), jax.jit(delta_rule_fn)
+    scan, kernel = jax.jit(delta_rule_scan), jax.jit(delta_rule_fn)
     results = []
     for kind, rows, n in cases:
         batch, q, k, v, beta, g, ring = inputs(rows, n, args.heads, args.dk, args.dv, W, start=100 if n < W else 0)
