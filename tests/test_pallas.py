@@ -1,3 +1,5 @@
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -151,15 +153,68 @@ def ragged_delta_rule_inputs(seed: int):
 
 
 def test_delta_rule_kernel_matches_the_scan():
-    """The recurrent kernel gives the plain-JAX scan's outputs at every token that keeps state and the same ring
-    after the step (each row started from its entry, its last W states written, nothing else touched), for
-    either layer of a stacked ring."""
+    """The kernels give the plain-JAX scan's outputs at every token that keeps state and the same ring after the
+    step (each row started from its entry, its last W states written, nothing else touched), for either layer
+    of a stacked ring: the prefill row's tokens before its last W in the chunked kernels (one partial chunk of
+    64, or two chunks of 2), the rest recurrent."""
     from jaxspec.nn.layers import delta_rule_scan
     from jaxspec.pallas.delta_rule import delta_rule_fn
     batch, q, k, v, beta, g, ring, real = ragged_delta_rule_inputs(0)
-    for layer in (0, 1):
+    for layer, chunk in ((0, 64), (1, 2)):
         want_o, want_ring = jax.jit(delta_rule_scan)(ring, layer, batch, q, k, v, beta, g)
-        o, got_ring = jax.jit(delta_rule_fn)(ring, layer, batch, q, k, v, beta, g)
+        o, got_ring = jax.jit(functools.partial(delta_rule_fn, chunk=chunk))(ring, layer, batch, q, k, v, beta, g)
         np.testing.assert_allclose(np.asarray(o[:real]), np.asarray(want_o[:real]), rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(np.asarray(got_ring), np.asarray(want_ring), rtol=1e-5, atol=1e-5)
         assert not np.allclose(np.asarray(got_ring), np.asarray(ring))   # the step did write entries
+        np.testing.assert_array_equal(np.asarray(o[real:]), 0.0)         # tokens that keep no state: untouched
+
+
+def one_sequence(seed: int, T: int, Hv: int = 2, dk: int = 8, dv: int = 8, repeat_keys: bool = False):
+    """q, k (L2-normalised), v, beta, g (log decay <= 0) of one sequence of T tokens, and a non-zero state."""
+    rng = np.random.default_rng(seed)
+    f32 = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)   # noqa: E731
+    k = f32(T, Hv, dk)
+    if repeat_keys:   # runs of equal keys: (I + A) is far from I, its inverse's power series would blow up
+        k = k.at[3:9].set(k[3]).at[12:20].set(k[12])
+    unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)   # noqa: E731
+    return (unit(f32(T, Hv, dk)), unit(k), f32(T, Hv, dv), jax.nn.sigmoid(f32(T, Hv)),
+            -jax.nn.softplus(f32(T, Hv)), f32(Hv, dk, dv))
+
+
+def test_chunked_reference_matches_the_scan():
+    """The chunked (WY) form in plain JAX gives the scan's outputs and final state (f32, ~1e-6), for a sequence
+    of 37 tokens in chunks of 16 (a partial last chunk) from a non-zero state, with runs of repeated keys."""
+    from jaxspec.nn.layers import delta_rule_chunked, delta_rule_scan
+    from jaxspec.nn.ops import ForwardBatch
+    T, W, p0 = 37, 3, 10
+    q, k, v, beta, g, S0 = one_sequence(1, T, repeat_keys=True)
+    ring = jnp.zeros((1, 2, W) + S0.shape, jnp.float32).at[0, 1, (p0 - 1) % W].set(S0)
+    i32 = lambda x: jnp.asarray(x, jnp.int32)   # noqa: E731
+    batch = ForwardBatch(i32(np.zeros(T)), i32(np.arange(p0, p0 + T)), i32(np.zeros(T)), i32(np.zeros(T)),
+                         i32(np.zeros((1, 1))), i32(np.arange(T)), slot_of_row=i32([1]), first_token_of_row=i32([0]))
+    want_o, want_ring = jax.jit(delta_rule_scan)(ring, 0, batch, q, k, v, beta, g)
+    o, S = jax.jit(delta_rule_chunked, static_argnums=6)(q, k, v, beta, g, S0, 16)
+    scale = float(jnp.max(jnp.abs(want_o)))
+    np.testing.assert_allclose(np.asarray(o), np.asarray(want_o), rtol=1e-5, atol=1e-5 * scale)
+    np.testing.assert_allclose(np.asarray(S), np.asarray(want_ring[0, 1, (p0 + T - 1) % W]), rtol=1e-5, atol=1e-5)
+
+
+def test_chunked_kernel_matches_the_reference():
+    """The chunked Pallas kernels (interpreted) against the plain-JAX chunked form, rows of one step in chunks of
+    8: 21 tokens of slot 0 from position 7 (the state before it read from its ring entry: non-zero), 19 of
+    slot 2 from position 0 (zeros), a row with none. Outputs of those tokens and the state after each row's last
+    token in that token's ring entry; no other entry touched."""
+    from jaxspec.nn.layers import delta_rule_chunked as reference
+    from jaxspec.pallas.delta_rule import delta_rule_chunked
+    q, k, v, beta, g, _ = one_sequence(2, 40, repeat_keys=True)
+    W, rng = 3, np.random.default_rng(3)
+    ring = jnp.asarray(rng.standard_normal((2, 4, W) + (2, 8, 8)), jnp.float32)
+    rows = [(0, 0, 21, 7), (2, 21, 19, 0), (1, 40, 0, 3)]                 # (slot, first token, tokens, position)
+    slot, first, count, start = (jnp.asarray([r[f] for r in rows], jnp.int32) for f in range(4))
+    o, got = delta_rule_chunked(q, k, v, beta, g, ring, 1, first, count, slot, start, chunk=8, block_v=4)
+    want = np.array(ring)
+    for s, f, n, p0 in rows[:2]:
+        S0 = ring[1, s, (p0 - 1) % W] if p0 > 0 else jnp.zeros_like(ring[1, s, 0])
+        want_o, want[1, s, (p0 + n - 1) % W] = reference(*(x[f:f + n] for x in (q, k, v, beta, g)), S0, 8)
+        np.testing.assert_allclose(np.asarray(o[f:f + n]), np.asarray(want_o), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)

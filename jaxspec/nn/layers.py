@@ -392,6 +392,54 @@ def delta_rule_scan(ring, i, batch: ForwardBatch, q, k, v, beta, g):
     return o, ring
 
 
+def delta_rule_chunked(q, k, v, beta, g, state, chunk: int = 64):
+    """The gated delta rule over one sequence in chunks of `chunk` tokens (the chunkwise-parallel, WY form):
+    within a chunk everything is matmuls, only the state passes from chunk to chunk. The plain-JAX reference of
+    `jaxspec.pallas.delta_rule.delta_rule_chunked`; exact (in real arithmetic) to `delta_rule_scan`.
+
+    In a chunk of tokens 1..C starting from the state S0, with G_t = g_1 + .. + g_t and D[t, s] = exp(G_t - G_s)
+    (s <= t, all <= 1 when g <= 0), unrolling S_t = exp(g_t) S_{t-1} + k_t u_t^T gives
+        u_t = beta_t (v_t - exp(G_t) S0^T k_t - sum_{s<t} D[t, s] (k_t . k_s) u_s),
+    a unit lower-triangular system (I + A) U = diag(beta) V - diag(beta exp(G)) K S0, A[t, s] = beta_t D[t, s]
+    k_t . k_s (s < t), solved here by substitution; then
+        o_t = exp(G_t) S0^T q_t + sum_{s<=t} D[t, s] (q_t . k_s) u_s,   S_C = exp(G_C) S0 + K^T diag(D[C, :]) U.
+    A last partial chunk is padded with tokens of k = q = v = beta = g = 0, which leave the state as it is.
+
+    q, k [T, H, dk], v [T, H, dv], beta and the log decay g [T, H], state [H, dk, dv] (the state before the
+    first token) -> (o [T, H, dv], the state after the last token [H, dk, dv]), all f32."""
+    T, H, dk = q.shape
+    n = -(-T // chunk)
+    hi = jax.lax.Precision.HIGHEST
+
+    def chunks(x):   # [T, H, ...] -> [n, H, C, ...], zero-padded
+        x = jnp.pad(x.astype(jnp.float32), [(0, n * chunk - T)] + [(0, 0)] * (x.ndim - 1))
+        return jnp.moveaxis(x.reshape(n, chunk, *x.shape[1:]), 1, 2)
+
+    t = jnp.arange(chunk)
+    causal, strict = t[:, None] >= t[None, :], t[:, None] > t[None, :]
+
+    def one_chunk(S, xs):
+        q, k, v, beta, g = xs                                                # [H, C, d] / [H, C]
+        G = jnp.cumsum(g, axis=-1)                                           # [H, C]
+        D = jnp.exp(jnp.where(causal, G[:, :, None] - G[:, None, :], -jnp.inf))   # [H, C, C]
+        A = jnp.where(strict, beta[:, :, None] * D * jnp.einsum("htk,hsk->hts", k, k, precision=hi), 0.0)
+        rhs = jnp.concatenate([beta[..., None] * v, (beta * jnp.exp(G))[..., None] * k], axis=-1)
+        eye = jnp.eye(chunk, dtype=jnp.float32)
+        solved = jax.scipy.linalg.solve_triangular(eye + A, rhs, lower=True, unit_diagonal=True)
+        u = solved[..., :v.shape[-1]] - jnp.einsum("htk,hkv->htv", solved[..., v.shape[-1]:], S, precision=hi)
+        P = jnp.where(causal, D * jnp.einsum("htk,hsk->hts", q, k, precision=hi), 0.0)
+        o = (jnp.einsum("htk,hkv->htv", jnp.exp(G)[..., None] * q, S, precision=hi)
+             + jnp.einsum("hts,hsv->htv", P, u, precision=hi))
+        to_end = jnp.exp(G[:, -1:] - G)                                      # [H, C] = D[C, :]
+        S = (jnp.exp(G[:, -1])[:, None, None] * S
+             + jnp.einsum("htk,htv->hkv", to_end[..., None] * k, u, precision=hi))
+        return S, o
+
+    S, o = jax.lax.scan(one_chunk, state.astype(jnp.float32), tuple(map(chunks, (q, k, v, beta, g))))
+    o = jnp.moveaxis(o, 2, 1).reshape(n * chunk, H, -1)[:T]
+    return o, S
+
+
 LAYER_KINDS: dict[str, LayerKind] = {"attention": Attention(), "gated_attention": GatedAttention(),
                                      "gated_deltanet": GatedDeltaNet()}
 

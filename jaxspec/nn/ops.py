@@ -121,9 +121,11 @@ class Ops:
     "dense" (one unpaged sequence: `Decoder.score`). unroll: layers unrolled with their stacked weights
     indexed statically (GPU: each matmul reads its weight in place), or scanned over runs of one layer kind
     (CPU: one layer body to compile). delta_rule: the Gated DeltaNet recurrence as "reference" (a JAX scan over
-    the step's tokens) or "pallas" (jaxspec.pallas.delta_rule: one program per row and head), "auto" in
-    `for_backend`: the kernel on a GPU (H100, Qwen3-Next's shapes: 1.1-6x faster than the scan for decode and
-    verify rows, 7x for a 512-token prefill chunk, docs/benchmarks.md), the scan on a CPU.
+    the step's tokens) or "pallas" (jaxspec.pallas.delta_rule: a recurrent kernel, one program per row and
+    head, for decode and verify rows and a prefill row's last k+1 tokens; chunked kernels for the tokens before
+    those), "auto" in `for_backend`: the kernels on a GPU (H100, Qwen3-Next's shapes: the recurrent one 1.1-6x
+    faster than the scan for decode and verify rows; with the chunked ones a 512-token prefill chunk 4x faster
+    than the recurrent kernel alone, docs/benchmarks.md), the scan on a CPU.
     """
     attention: str = "reference"
     block_size: int = 16
