@@ -6,6 +6,11 @@ prompts as token-id workloads (`jaxspec-bench --dataset file`).
     python3 scripts/prepare_eagle_gpu.py --num-conversations 6000
     python3 ../shared/tools/device_stage.py split $JAXSPEC_CACHE/<the 1.5B GGUF>     # then the device calls it prints
 
+With `--code-prompts N` it also writes .gpu/train_mixed.json: the first turns of --first-turns and N raw code
+prompts (a function's imports, signature and docstring, cut from the Python standard library's own source, as
+HumanEval's prompts look) shuffled together, for `--regenerate`: the target continues each code prompt as raw
+text, the way the HumanEval workload is served.
+
 Outputs: .gpu/sharegpt_train.json (the first N usable conversations), .gpu/sharegpt_heldout.json and
 .gpu/humaneval.json (workloads: 64 held-out ShareGPT first turns, after the training ones, and the 164 HumanEval
 prompts, rendered with the 1.5B's chat template where the benchmark does so).
@@ -24,6 +29,10 @@ def main():
                    help="also write sharegpt_first_turns.json: the first user turn of the training conversations and "
                         "of this many more after the held-out ones, for `--regenerate` (the answers are the "
                         "target's own, so the dataset's are left out: the file is ~6x smaller)")
+    p.add_argument("--code-prompts", type=int, default=0,
+                   help="with --first-turns: also write train_mixed.json with this many raw code prompts")
+    p.add_argument("--code-packages", nargs="*", default=["numpy", "networkx", "requests", "jinja2", "tqdm"],
+                   help="installed packages whose source gives code prompts beside the standard library's")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
     from jaxspec.train.data import load_sharegpt
@@ -42,6 +51,12 @@ def main():
         firsts = [[c[0], {"role": "assistant", "content": "."}] for c in train + more]
         with open(os.path.join(args.out, "sharegpt_first_turns.json"), "w") as f:
             json.dump(to_sharegpt(firsts), f)
+        if args.code_prompts:
+            import random
+            mixed = to_sharegpt(firsts) + [{"prompt": c} for c in code_prompts(args.code_prompts, args.code_packages)]
+            random.Random(0).shuffle(mixed)
+            with open(os.path.join(args.out, "train_mixed.json"), "w") as f:
+                json.dump(mixed, f)
     # The measured prompts as token ids (the workload format of `jaxspec-bench --save-workload`): HumanEval's
     # prompts as the benchmark encodes text, the held-out ShareGPT first turns through the chat template.
     import gzip
@@ -57,6 +72,47 @@ def main():
             json.dump({"sessions": [[[ids, 256]] for ids in prompts]}, f)
     for name in sorted(os.listdir(args.out)):
         print(name, os.path.getsize(os.path.join(args.out, name)) >> 10, "KiB")
+
+
+def code_prompts(limit: int, packages=(), max_chars: int = 1200) -> list[str]:
+    """Up to `limit` HumanEval-shaped prompts from Python source on this machine (the standard library and the
+    named installed packages, tests left out): for each function with a docstring, its module's imports, its class
+    line when it is a method, then its signature and docstring (the body is what the target writes)."""
+    import ast
+    import hashlib
+    import sysconfig
+    skip = {"test", "tests", "testing", "idlelib", "lib2to3", "__pycache__"}
+    found = {}
+    import importlib.util
+    roots = [sysconfig.get_paths()["stdlib"]]
+    roots += [list(importlib.util.find_spec(p).submodule_search_locations)[0] for p in packages]
+    for root in roots:
+        for dirpath, dirnames, filenames in os.walk(root):
+            dirnames[:] = sorted(d for d in dirnames if d not in skip and d != "site-packages")
+            for name in sorted(filenames):
+                if not name.endswith(".py") or name.startswith("test_"):
+                    continue
+                try:
+                    source = open(os.path.join(dirpath, name), encoding="utf-8").read()
+                    tree = ast.parse(source)
+                except (SyntaxError, UnicodeDecodeError, ValueError, OSError):
+                    continue
+                lines = source.splitlines()
+                imports = [ast.get_source_segment(source, n) for n in tree.body
+                           if isinstance(n, (ast.Import, ast.ImportFrom))]
+                header = "\n".join(i for i in imports[:6] if i)
+                header = header + "\n\n\n" if header else ""
+                functions = [(n, "") for n in tree.body]
+                functions += [(m, lines[c.lineno - 1] + "\n") for c in tree.body if isinstance(c, ast.ClassDef)
+                              for m in c.body]
+                for node, context in functions:
+                    doc = ast.get_docstring(node) if isinstance(node, ast.FunctionDef) else None
+                    if not doc or len(doc) < 30 or len(node.body) < 2:
+                        continue
+                    prompt = header + context + "\n".join(lines[node.lineno - 1:node.body[0].end_lineno]) + "\n"
+                    if len(prompt) <= max_chars:
+                        found[hashlib.sha1(prompt.encode()).hexdigest()] = prompt
+    return [found[k] for k in sorted(found)][:limit]   # sorted by hash: a fixed subset, mixed across modules
 
 
 if __name__ == "__main__":

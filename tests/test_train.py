@@ -12,7 +12,7 @@ import pytest
 
 from conftest import random_model
 from jaxspec import LLM, SamplingParams
-from jaxspec.train import TrainConfig, load_sharegpt, regenerate, render, train, train_eagle3
+from jaxspec.train import TrainConfig, load_sharegpt, regenerate, render, save_regenerated, train, train_eagle3
 from jaxspec.decode.drafters.eagle import load_eagle_head
 from jaxspec.train.eagle3 import draft_vocabulary, estimated_acceptance_length, init_head, save_head
 
@@ -29,14 +29,51 @@ def target(smollm2_model):
     return model
 
 
+CODE_PROMPTS = ['def add(a, b):\n    """Return a + b."""\n', 'import os\n\ndef home():\n    """The home directory."""\n']
+
+
 @pytest.fixture(scope="module")
-def data(target):
+def regenerating_llm(target):
+    return LLM(target, max_num_seqs=48, max_model_len=96, max_num_batched_tokens=256)
+
+
+@pytest.fixture(scope="module")
+def data(target, regenerating_llm):
     """ShareGPT first turns answered by the target (self-distillation), rendered: 40 to train on, 8 held out."""
     convs = [c for c in load_sharegpt(150) if len(target.tokenizer.encode(c[0]["content"])) <= 40][:48]
-    llm = LLM(target, max_num_seqs=48, max_model_len=96, max_num_batched_tokens=256)
-    regen = regenerate(llm, convs, 32)
+    regen = regenerate(regenerating_llm, convs, 32)
     examples = render(target.tokenizer, regen, SEQ_LEN)
     return examples.split(8), [c[:1] for c in convs[-8:]]
+
+
+def test_raw_text_prompts_are_continued_without_a_template(target, regenerating_llm, tmp_path):
+    """A dataset item {"prompt": TEXT} (a code prompt, served as raw text) is regenerated from the text itself, not
+    from a chat rendering of it, and rendered as the prompt's tokens (masked out) followed by the continuation."""
+    path = tmp_path / "mixed.json"
+    path.write_text(json.dumps([{"prompt": CODE_PROMPTS[0]},
+                                {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]},
+                                {"prompt": CODE_PROMPTS[1], "completion": "    return os.environ['HOME']\n"}]))
+    items = load_sharegpt(3, str(path))
+    assert [[m["role"] for m in c] for c in items] == [["text"], ["user", "assistant"], ["text", "assistant"]]
+    regen = regenerate(regenerating_llm, [items[0]], 12)
+    greedy = regenerating_llm.generate([CODE_PROMPTS[0]], SamplingParams(temperature=0, max_tokens=12),
+                                       use_tqdm=False)[0].token_ids
+    assert regen[0][1]["token_ids"] == list(greedy)
+    examples = render(target.tokenizer, regen + items[2:], SEQ_LEN)
+    # regeneration apart from training: the file written keeps each answer's own tokens, and reads back the same
+    save_regenerated(regen + items[1:2], str(tmp_path / "regenerated.json"))
+    again = load_sharegpt(2, str(tmp_path / "regenerated.json"))
+    assert again[0][1]["token_ids"] == list(greedy) and "token_ids" not in again[1][1]
+    back = render(target.tokenizer, again[:1] + items[2:], SEQ_LEN)
+    assert (back.ids == examples.ids).all() and (back.mask == examples.mask).all()
+    for row, (prompt, answer) in enumerate([(CODE_PROMPTS[0], list(greedy)),
+                                            (CODE_PROMPTS[1], None)]):
+        prompt_ids = target.tokenizer.encode(prompt, add_special_tokens=True)
+        if answer is None:   # a dataset completion: its own tokens after the prompt's
+            answer = target.tokenizer.encode(items[2][1]["content"])
+        n, m = len(prompt_ids), len(answer)
+        assert examples.ids[row, :n + m].tolist() == prompt_ids + answer
+        assert examples.mask[row].tolist() == [0.0] * n + [1.0] * m + [0.0] * (SEQ_LEN - n - m)
 
 
 @pytest.fixture(scope="module")

