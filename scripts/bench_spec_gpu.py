@@ -59,6 +59,26 @@ def untrained_head(model, method: str) -> str:
     return f"{name}={out}"
 
 
+def timed_run(llm, sessions, run_args, label, spec, run_label) -> dict:
+    """One timed pass with the engine's speculation counters and compile count read around it."""
+    import numpy as np
+
+    from jaxspec.bench_online import LocalBackend, run_online
+    engine = llm.engine
+    before = {k: np.copy(v) for k, v in engine.spec_counters.items()}
+    compiled = engine.runner.num_compiled()
+    res = run_online(LocalBackend(llm), sessions, run_args, run_label)
+    d = {k: engine.spec_counters[k] - before[k] for k in engine.spec_counters}
+    res.update(method=label, compiled_during_run=engine.runner.num_compiled() - compiled)
+    if spec is not None:
+        drafts = int(d["drafts"])
+        res["spec"] = {"drafts": drafts, "accepted_tokens": int(d["accepted_tokens"]),
+                       "mean_acceptance_length": 1 + int(d["accepted_tokens"]) / max(drafts, 1),
+                       "per_position_acceptance": (d["accepted_per_position"] / max(drafts, 1)).tolist(),
+                       "chosen_k": d["chosen_k"].tolist()}
+    return res
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True)
@@ -76,6 +96,10 @@ def main():
     p.add_argument("--random-weights", action="store_true",
                    help="--model is a preset or config directory with weights drawn at random, and eagle3=random "
                         "an untrained head: the same compiled steps as the real weights (fills the compile caches)")
+    p.add_argument("--structured-json", default=None, metavar="SCHEMA",
+                   help="structured outputs (issue #16): each run is made twice, every request constrained to this "
+                        "JSON schema (compact JSON), then unconstrained with EOS ignored at the constrained run's "
+                        "mean output length: the same prompts and tokens per request, like for like")
     p.add_argument("--json", required=True)
     args = p.parse_args()
     num_prompts = args.num_prompts or [max(16, 4 * c) for c in args.concurrency]
@@ -104,6 +128,12 @@ def main():
         # prompts that leave room for the whole output (the engine refuses longer ones)
         workloads[name] = [(list(turns[0][0]), args.output_len) for turns in sessions
                            if len(turns[0][0]) + args.output_len <= args.max_model_len]
+    structured = structured_report = None
+    if args.structured_json:
+        from jaxspec.bench import structured_from_args
+        structured, structured_report = structured_from_args(types.SimpleNamespace(
+            structured_json=args.structured_json, structured_regex=None, structured_choice=None,
+            structured_disable_any_whitespace=True))
     results = []
     for text in args.method:
         label, spec = parse_method(text, args.num_spec_tokens)
@@ -117,39 +147,43 @@ def main():
             for c, n in zip(args.concurrency, num_prompts):
                 sessions = [[turn] for turn in prompts[:n]]
                 run_args = types.SimpleNamespace(temperature=0.0, ignore_eos=args.ignore_eos, seed=0,
-                                                 request_rate=float("inf"), max_concurrency=c, quiet=True)
+                                                 request_rate=float("inf"), max_concurrency=c, quiet=True,
+                                                 structured=structured, structured_report=structured_report)
                 t0 = time.perf_counter()   # untimed: compiles the buckets and variants this pass uses
                 # adaptive k compiles a width the first time it picks it: give it steps to pick them in
                 warm_tokens = 48 if spec is not None and spec["adaptive"] else 8
                 run_online(LocalBackend(llm), [[(p, warm_tokens)] for (p, _), in sessions], run_args, "warm")
                 warm_s = time.perf_counter() - t0
-                before = {k: np.copy(v) for k, v in engine.spec_counters.items()}
-                compiled = engine.runner.num_compiled()
-                res = run_online(LocalBackend(llm), sessions, run_args, f"{label}/{wname}/b{c}")
-                after = engine.spec_counters
-                d = {k: after[k] - before[k] for k in after}
-                res.update(method=label, workload=wname, concurrency=c, warm_s=warm_s,
-                           compiled_during_run=engine.runner.num_compiled() - compiled)
-                if spec is not None:
-                    drafts = int(d["drafts"])
-                    res["spec"] = {"drafts": drafts, "accepted_tokens": int(d["accepted_tokens"]),
-                                   "mean_acceptance_length": 1 + int(d["accepted_tokens"]) / max(drafts, 1),
-                                   "per_position_acceptance": (d["accepted_per_position"] / max(drafts, 1)).tolist(),
-                                   "chosen_k": d["chosen_k"].tolist()}
-                results.append(res)
-                acc = (f"  acceptance length {res['spec']['mean_acceptance_length']:.2f} "
-                       f"per position {[round(x, 2) for x in res['spec']['per_position_acceptance']]}"
-                       f" chosen k {res['spec']['chosen_k']}" if spec else "")
-                print(f"{res['label']:<32} {res['output_throughput']:8.1f} tok/s  TPOT {res['tpot_ms']['mean']:.2f} ms"
-                      f"  {res['output_tokens']} tokens  digest {res.get('output_digest')}"
-                      f"  compiled during run {res['compiled_during_run']}  (warm {warm_s:.0f} s){acc}", flush=True)
+                res = timed_run(llm, sessions, run_args, label, spec, f"{label}/{wname}/b{c}")
+                res.update(workload=wname, concurrency=c, warm_s=warm_s)
+                runs = [res]
+                if structured is not None:   # like for like: unconstrained, as many tokens per request
+                    length = max(2, round(res["output_len"]["mean"]))
+                    plain_args = types.SimpleNamespace(**{**vars(run_args), "structured": None,
+                                                          "structured_report": None, "ignore_eos": True})
+                    run_online(LocalBackend(llm), [[(p, 8)] for (p, _), in sessions], plain_args, "warm")
+                    free = timed_run(llm, [[(p, length)] for (p, _), in sessions], plain_args, label, spec,
+                                     f"{label}/{wname}/b{c}/unconstrained")
+                    free.update(workload=wname, concurrency=c, warm_s=0.0)
+                    runs.append(free)
+                for r in runs:
+                    results.append(r)
+                    acc = (f"  acceptance length {r['spec']['mean_acceptance_length']:.2f} "
+                           f"per position {[round(x, 2) for x in r['spec']['per_position_acceptance']]}"
+                           f" chosen k {r['spec']['chosen_k']}" if spec else "")
+                    valid = (f"  valid {r['structured_outputs']['valid_outputs']}/{r['requests']}"
+                             if "structured_outputs" in r else "")
+                    print(f"{r['label']:<44} {r['output_throughput']:8.1f} tok/s  TPOT {r['tpot_ms']['mean']:.2f} ms"
+                          f"  {r['output_tokens']} tokens  digest {r.get('output_digest')}{valid}"
+                          f"  compiled during run {r['compiled_during_run']}  (warm {warm_s:.0f} s){acc}", flush=True)
                 with open(args.json, "w") as f:
                     json.dump(results, f, indent=1, default=float)
         del llm, engine
         gc.collect()
-    base = {(r["workload"], r["concurrency"]): r["output_throughput"] for r in results if r["method"] == "none"}
+    base = {(r["workload"], r["concurrency"], r["label"].endswith("unconstrained")): r["output_throughput"]
+            for r in results if r["method"] == "none"}
     for r in results:
-        b = base.get((r["workload"], r["concurrency"]))
+        b = base.get((r["workload"], r["concurrency"], r["label"].endswith("unconstrained")))
         if b and r["method"] != "none":
             print(f"{r['label']:<32} {r['output_throughput'] / b:.2f}x plain")
 
