@@ -14,17 +14,14 @@ EXAMPLE = {"name": "Ada Lovelace", "country": "GB", "role": "analyst", "level": 
            "skills": ["math", "poetry"]}
 
 
-@pytest.fixture(scope="module")
-def json_model_dir(tmp_path_factory, smollm2_gguf_path):
+def tiny_model_dir(path, smollm2_gguf_path, vocab_size: int):
     """A tiny random llama checkpoint (an HF directory: config.json, model.safetensors) whose vocabulary is
-    SmolLM2's first 512 tokens (every byte and the first merges), with SmolLM2's tokenizer files: its outputs are
-    real text, and it compiles and decodes in seconds. Unconstrained, a random model's text is never JSON: a
-    constraint has to do all the work."""
+    SmolLM2's first `vocab_size` tokens, with SmolLM2's tokenizer files: its outputs are real text, and it
+    compiles and decodes in seconds."""
     from safetensors.numpy import save_file
     from conftest import random_model
     from jaxspec.models.gguf_loader import hf_tokenizer_from_gguf
-    path = tmp_path_factory.mktemp("json_model")
-    model = random_model(0, vocab_size=512, max_position_embeddings=512)
+    model = random_model(0, vocab_size=vocab_size, max_position_embeddings=512)
     c = model.config
     save_file(model.hf_tensors, str(path / "model.safetensors"))
     (path / "config.json").write_text(json.dumps({
@@ -37,11 +34,20 @@ def json_model_dir(tmp_path_factory, smollm2_gguf_path):
     return path
 
 
+@pytest.fixture(scope="module")
+def json_model_dir(tmp_path_factory, smollm2_gguf_path):
+    """A tiny model (tiny_model_dir) over SmolLM2's first 512 tokens (every byte and the first merges).
+    Unconstrained, a random model's text is never JSON: a constraint has to do all the work."""
+    return tiny_model_dir(tmp_path_factory.mktemp("json_model"), smollm2_gguf_path, 512)
+
+
 def test_compare_matrix_on_sharegpt_writes_json(tmp_path, capsys):
+    """SmolLM2 itself: on real text its n-gram drafts match the prompt's n-grams and are rejected (a random model
+    proposes none), so the configurations' equal tokens say that rejected drafts change nothing."""
     out = tmp_path / "bench.json"
     rc = main(["--model", "smollm2-135m-instruct", "--dtype", "float32", "--dataset", "sharegpt",
                "--num-prompts", "3", "--output-len", "6", "--max-input-len", "48", "--max-concurrency", "2",
-               "--max-model-len", "128", "--max-num-batched-tokens", "32", "--spec-method", "ngram",
+               "--max-model-len", "128", "--max-num-batched-tokens", "8", "--spec-method", "ngram",
                "--num-spec-tokens", "2", "--compare", "--json", str(out), "--quiet"])
     assert rc == 0
     results = json.loads(out.read_text())
@@ -57,13 +63,13 @@ def test_compare_matrix_on_sharegpt_writes_json(tmp_path, capsys):
     assert "relative to sync" in printed
 
 
-def test_steady_state_reports_bubble_roofline_and_speedup_bound(tmp_path):
+def test_steady_state_reports_bubble_roofline_and_speedup_bound(tmp_path, json_model_dir):
     """--steady-state: every row decoding while timed; device-busy fraction, roofline and, with
     speculation, the speedup bound from the measured step times."""
     out = tmp_path / "steady.json"
-    rc = main(["--model", "smollm2-135m-instruct", "--random-weights", "--dtype", "float32", "--num-prompts", "2",
+    rc = main(["--model", str(json_model_dir), "--random-weights", "--dtype", "float32", "--num-prompts", "2",
                "--input-len", "16", "--output-len", "4", "--max-concurrency", "2", "--max-model-len", "96",
-               "--max-num-batched-tokens", "16", "--steady-state", "1", "2", "--steady-steps", "3",
+               "--max-num-batched-tokens", "8", "--steady-state", "1", "2", "--steady-steps", "3",
                "--spec-method", "ngram", "--num-spec-tokens", "2", "--compare", "--json", str(out), "--quiet"])
     assert rc == 0
     results = json.loads(out.read_text())
@@ -77,12 +83,12 @@ def test_steady_state_reports_bubble_roofline_and_speedup_bound(tmp_path):
         assert all(b["bound"] > 0 and b["of_bound"] > 0 for b in r["speedup_bound"])
 
 
-def test_poisson_arrivals_on_a_shared_prefix_match_the_offline_run(tmp_path):
+def test_poisson_arrivals_on_a_shared_prefix_match_the_offline_run(tmp_path, json_model_dir):
     """--request-rate: requests arrive over time and are served by the engine on its own thread; the greedy
     tokens equal those of the all-at-once run, and the shared prefix is reused only with caching on."""
-    common = ["--model", "smollm2-135m-instruct", "--random-weights", "--dtype", "float32", "--dataset", "prefix",
+    common = ["--model", str(json_model_dir), "--random-weights", "--dtype", "float32", "--dataset", "prefix",
               "--prefix-len", "32", "--input-len", "4", "--num-prompts", "4", "--output-len", "4",
-              "--max-concurrency", "2", "--max-model-len", "96", "--max-num-batched-tokens", "32", "--quiet"]
+              "--max-concurrency", "2", "--max-model-len", "96", "--max-num-batched-tokens", "8", "--quiet"]
     results = {}
     for name, extra in [("offline", []), ("online", ["--request-rate", "40"]),
                         ("online-off", ["--request-rate", "40", "--no-enable-prefix-caching"])]:
@@ -179,9 +185,9 @@ def test_vllm_baseline_runs_the_same_workload_in_its_own_process(tmp_path, monke
     monkeypatch.setenv("FAKE_VLLM_LOG", str(log))
     monkeypatch.syspath_prepend(str(fake))
     out = tmp_path / "bench.json"
-    args = ["--model", "smollm2-135m-instruct", "--dtype", "float32", "--dataset", "random", "--num-prompts", "3",
+    args = ["--model", str(json_model_dir), "--dtype", "float32", "--dataset", "random", "--num-prompts", "3",
             "--input-len", "5", "--output-len", "4", "--max-concurrency", "2", "--max-model-len", "64",
-            "--max-num-batched-tokens", "16", "--spec-method", "ngram", "--num-spec-tokens", "3",
+            "--max-num-batched-tokens", "8", "--spec-method", "ngram", "--num-spec-tokens", "3",
             "--json", str(out), "--quiet", "--baseline", "vllm"]
     assert main(args) == 0
     results = json.loads(out.read_text())
