@@ -25,7 +25,7 @@ import tempfile
 import time
 
 # What `--spec-method` is called in vLLM's speculative_config
-_VLLM_METHOD = {"draft_model": "draft_model", "eagle": "eagle", "eagle3": "eagle3", "ngram": "ngram"}
+_VLLM_METHOD = {"draft_model": "draft_model", "eagle": "eagle", "eagle3": "eagle3", "ngram": "ngram", "mtp": "mtp"}
 
 
 def vllm_available() -> bool:
@@ -42,6 +42,8 @@ def build_request(args, prompts: list[list[int]], output_lens: list[int], model_
         spec = {"method": _VLLM_METHOD[args.spec_method], "num_speculative_tokens": args.num_spec_tokens}
         if args.spec_method == "ngram":
             spec.update(prompt_lookup_max=4, prompt_lookup_min=1)
+        elif args.spec_method == "mtp":   # vLLM reads the mtp.* layers from the target's own checkpoint
+            pass
         else:
             spec["model"] = draft_path
     return {"model": model_path, "prompts": prompts, "output_lens": output_lens,
@@ -92,6 +94,14 @@ def _tpot(output) -> float | None:
     return (last - first) / (n - 1)
 
 
+def _has_vision_config(model_path: str) -> bool:
+    try:
+        with open(os.path.join(model_path, "config.json")) as f:
+            return isinstance(json.load(f).get("vision_config"), dict)
+    except (OSError, ValueError):
+        return False
+
+
 def _child(request_path: str, result_path: str):
     import numpy as np
     from vllm import LLM, SamplingParams
@@ -112,6 +122,10 @@ def _child(request_path: str, result_path: str):
         kwargs["structured_outputs_config"] = {"disable_any_whitespace": True}
     if r["random_weights"]:
         kwargs["load_format"] = "dummy"
+    if _has_vision_config(r["model"]):
+        # a vision-language checkpoint (Qwen3.5) serving token ids: no vision tower, no image-processor profiling
+        # (which needs processor files that a config-only directory lacks)
+        kwargs["language_model_only"] = True
     if spec is not None:
         kwargs["speculative_config"] = spec
     llm = LLM(**kwargs)
