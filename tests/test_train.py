@@ -89,9 +89,12 @@ def trained(target, data, tmp_path_factory):
     return out, untrained, result
 
 
+# Engines compile the steps they run only (greedy: no sampling variant), in three token buckets.
+ENGINE = dict(max_num_seqs=8, max_model_len=128, max_num_batched_tokens=32, warmup=False)
+
+
 def acceptance(target, head_dir, prompts, async_scheduling=True):
-    llm = LLM(target, max_num_seqs=8, max_model_len=128, max_num_batched_tokens=128,
-              async_scheduling=async_scheduling,
+    llm = LLM(target, **ENGINE, async_scheduling=async_scheduling,
               speculative_config=dict(method="eagle3", model=str(head_dir), num_speculative_tokens=3))
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
     return llm.stats()["spec"], [o.token_ids for o in outs]
@@ -112,7 +115,7 @@ def test_training_lowers_the_loss_and_the_head_is_accepted(target, data, trained
     # ~1.8 and 0.40 / 0.26 / 0.15 per position measured; an untrained head accepts nothing
     assert spec["mean_acceptance_length"] > 1.45 and spec["per_position_acceptance"][2] > 0.05, spec
     # lossless: the same tokens as plain greedy decoding, with a head that drafts well and one that drafts badly
-    plain = LLM(target, max_num_seqs=8, max_model_len=128, max_num_batched_tokens=128).generate(
+    plain = LLM(target, **ENGINE).generate(
         prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)
     assert tokens == base_tokens == [o.token_ids for o in plain]
     # async == sync: tokens and counts
@@ -151,7 +154,6 @@ def test_a_resumed_run_continues_the_loss_curve(target, data, tmp_path):
     small = dict(CONFIG, cache_target_outputs=False)
     straight = train(target, training, tmp_path / "straight", TrainConfig(steps=8, save_every=4, **small),
                      progress=False)
-    train(target, training, tmp_path / "resumed", TrainConfig(steps=4, save_every=4, **small), progress=False)
     # the schedule is the full run's: a run resumed with steps=8 picks up at step 4 of the same curve
     first = train(target, training, tmp_path / "resumed2", TrainConfig(steps=8, save_every=4, **small),
                   progress=False)
@@ -221,19 +223,21 @@ def test_training_unrolls_the_head_as_the_engine_drafts(target, data, trained):
     ref = EagleReference("eagle3", tensors, ModelConfig.from_hf({"model_type": "llama", **json.loads(
         (out / "config.json").read_text())}), target.hf_tensors, target.config)
     k, n = 3, 30
+    # compiled once for the three rows (as training runs them: under jit)
+    target_fn = make_target_fn(target.config, eagle3_aux_layers(target.config.num_layers))
+    unrolled = jax.jit(unrolled_logits, static_argnums=(0, 5, 6))
     for row in held_out.ids[:3]:
         drafts = ref.greedy_drafts(row[:n].tolist(), k)
         seq = np.concatenate([row[:n], drafts]).astype(np.int32)[None]
-        aux, _, _ = make_target_fn(target.config, eagle3_aux_layers(target.config.num_layers))(
-            target.params, jnp.asarray(seq), params["draft_to_target"])
-        logits = unrolled_logits(head, {k_: v for k_, v in params.items() if k_ != "draft_to_target"},
-                                 target.params["embed"], jnp.asarray(seq), aux, k)
+        aux, _, _ = target_fn(target.params, jnp.asarray(seq), params["draft_to_target"])
+        logits = unrolled(head, {k_: v for k_, v in params.items() if k_ != "draft_to_target"},
+                          target.params["embed"], jnp.asarray(seq), aux, k, jnp.float32)
         d2t = np.asarray(params["draft_to_target"])
         got = [int(d2t[np.argmax(np.asarray(logits[j])[0, n - 2])]) for j in range(k)]
         assert got == drafts, (got, drafts)
         # the GPU's bf16 matmuls (f32 params cast inside) keep the same drafts on this sequence
-        logits16 = unrolled_logits(head, {k_: v for k_, v in params.items() if k_ != "draft_to_target"},
-                                   target.params["embed"], jnp.asarray(seq), aux, k, compute_dtype=jnp.bfloat16)
+        logits16 = unrolled(head, {k_: v for k_, v in params.items() if k_ != "draft_to_target"},
+                            target.params["embed"], jnp.asarray(seq), aux, k, jnp.bfloat16)
         assert all(l16.dtype == jnp.float32 for l16 in logits16)
         got16 = [int(d2t[np.argmax(np.asarray(logits16[j])[0, n - 2])]) for j in range(k)]
         assert got16 == drafts, (got16, drafts)
