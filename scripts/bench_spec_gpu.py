@@ -116,6 +116,11 @@ def main():
     if args.random_weights:
         from jaxspec.models.random import random_model
         model = random_model(args.model, dtype=args.dtype)
+        if args.structured_json:   # the constraint is compiled over the tokenizer's vocabulary
+            from jaxspec.bench import _tokenizer_for
+            model.tokenizer = _tokenizer_for(args.model)
+            if model.tokenizer is None:
+                raise SystemExit(f"--structured-json needs a tokenizer, and --model {args.model!r} has none")
         args.method = [untrained_head(model, m) for m in args.method]
     else:
         model = load_model(args.model, dtype=args.dtype)
@@ -143,8 +148,10 @@ def main():
                   # adaptive k: every width compiled before the clock (on 2026-11-24 a width first picked in the
                   # timed pass compiled there); fixed k: the untimed pass compiles what it uses
                   warmup=bool(spec and spec["adaptive"]),
-                  enable_prefix_caching=False)
+                  enable_prefix_caching=False, structured_compile_timeout=3600.0)
         engine = llm.engine
+        if structured is not None:   # the schema's automaton and the grammar's steps, before any clock starts
+            engine.warmup_structured(structured, sample=False)
         print(f"{label}: engine built in {time.perf_counter() - t0:.0f} s", flush=True)
         for wname, prompts in workloads.items():
             for c, n in zip(args.concurrency, num_prompts):
