@@ -9,8 +9,9 @@ the timed one will use.
         --workload humaneval=.gpu/humaneval.json --workload sharegpt=.gpu/sharegpt_heldout.json \\
         --concurrency 1 8 32 --num-prompts 16 32 96 --json /tmp/out/spec.json
 
-A method is `none`, `ngram`, `eagle3=HEAD_DIR`, `draft_model=GGUF_OR_DIR`, or any of the last three with
-`-adaptive` (SpeculativeConfig.adaptive). Workloads are `jaxspec-bench --save-workload` files (token ids).
+A method is `none`, `ngram`, `mtp` (a hybrid target's own MTP head), `eagle3=HEAD_DIR`, `draft_model=GGUF_OR_DIR`,
+any of them but `none` with `-adaptive` (SpeculativeConfig.adaptive) and with `@K` for its own speculation length
+(`mtp@2`; default --num-spec-tokens). Workloads are `jaxspec-bench --save-workload` files (token ids).
 Prints one line per run and writes every run's report (tokens/s, TPOT, acceptance per position, the histogram
 of chosen k, steps compiled during the timed pass) to --json.
 """
@@ -27,13 +28,16 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 def parse_method(text: str, k: int):
     name, _, path = text.partition("=")
-    adaptive = name.endswith("-adaptive")
-    method = name.removesuffix("-adaptive")
+    base, _, own_k = name.partition("@")   # NAME@K: this method's own speculation length
+    adaptive = base.endswith("-adaptive")
+    method = base.removesuffix("-adaptive")
     if method == "none":
         return name, None
-    if method not in ("ngram", "eagle3", "eagle", "draft_model"):
-        raise SystemExit(f"--method {text!r}: expected none, ngram, eagle3=DIR, eagle=DIR or draft_model=PATH")
-    spec = {"method": method, "num_speculative_tokens": k, "adaptive": adaptive}
+    if method not in ("ngram", "eagle3", "eagle", "draft_model", "mtp"):
+        raise SystemExit(f"--method {text!r}: expected none, ngram, mtp, eagle3=DIR, eagle=DIR or draft_model=PATH")
+    spec = {"method": method, "num_speculative_tokens": int(own_k) if own_k else k, "adaptive": adaptive}
+    if method == "mtp":   # the target's own MTP head (random with --random-weights, filled in by main)
+        return name, spec
     if method != "ngram":
         if not path:
             raise SystemExit(f"--method {text!r} needs =PATH (the head or draft model)")
@@ -142,6 +146,9 @@ def main():
     results = []
     for text in args.method:
         label, spec = parse_method(text, args.num_spec_tokens)
+        if spec is not None and spec["method"] == "mtp" and args.random_weights:   # the head's shapes, random too
+            from jaxspec.decode.drafters.mtp import random_mtp_params
+            spec["model"] = random_mtp_params(model.config, args.dtype, seed=1)
         t0 = time.perf_counter()
         llm = LLM(model, max_num_seqs=max(args.concurrency), max_model_len=args.max_model_len,
                   max_num_batched_tokens=args.max_num_batched_tokens, speculative_config=spec,
