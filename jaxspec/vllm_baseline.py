@@ -102,6 +102,17 @@ def _has_vision_config(model_path: str) -> bool:
         return False
 
 
+def _has_linear_attention(model_path: str) -> bool:
+    """A hybrid checkpoint (Qwen3-Next, Qwen3.5): some of its layers are Gated DeltaNet."""
+    try:
+        with open(os.path.join(model_path, "config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return False
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    return "linear_attention" in (text.get("layer_types") or [])
+
+
 def _child(request_path: str, result_path: str):
     import numpy as np
     from vllm import LLM, SamplingParams
@@ -126,6 +137,10 @@ def _child(request_path: str, result_path: str):
         # a vision-language checkpoint (Qwen3.5) serving token ids: no vision tower, no image-processor profiling
         # (which needs processor files that a config-only directory lacks)
         kwargs["language_model_only"] = True
+    if _has_linear_attention(r["model"]) and importlib.util.find_spec("flashinfer") is None:
+        # vLLM's default Gated DeltaNet prefill kernel on Hopper is FlashInfer's; without FlashInfer installed it
+        # fails at the first prefill, so take vLLM's other kernel (Triton, from flash-linear-attention)
+        kwargs["gdn_prefill_backend"] = "triton"
     if spec is not None:
         kwargs["speculative_config"] = spec
     llm = LLM(**kwargs)
