@@ -130,7 +130,8 @@ def _child(request_path: str, result_path: str):
     if structured is not None and structured.get("disable_any_whitespace"):
         # vLLM's grammar backends read this from the engine's config, not from the request's params (the
         # request's field alone leaves whitespace free: a random-weights model then fills its whole output with it)
-        kwargs["structured_outputs_config"] = {"disable_any_whitespace": True}
+        # (and vLLM accepts it only with an explicit xgrammar or guidance backend)
+        kwargs["structured_outputs_config"] = {"backend": "xgrammar", "disable_any_whitespace": True}
     if r["random_weights"]:
         kwargs["load_format"] = "dummy"
     if _has_vision_config(r["model"]):

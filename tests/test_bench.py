@@ -225,8 +225,9 @@ def test_vllm_baseline_runs_the_same_workload_in_its_own_process(tmp_path, monke
     assert timed["structured"] == [constraint] * 3 and warm["structured"] == [constraint] * 2
     assert timed["ignore_eos"] == [False] * 3 and timed["max_tokens"] == [200] * 3
     assert timed["llm"]["skip_tokenizer_init"] is False and "tokenizer.json" in timed["tokenizer_files"]
-    # vLLM's grammar backends take the whitespace choice from the engine's config only
-    assert timed["llm"]["structured_outputs_config"] == {"disable_any_whitespace": True}
+    # vLLM's grammar backends take the whitespace choice from the engine's config only, and vLLM accepts it there
+    # only beside an explicit xgrammar or guidance backend
+    assert timed["llm"]["structured_outputs_config"] == {"backend": "xgrammar", "disable_any_whitespace": True}
     assert ours["label"] == "async+ngram+json" and theirs["label"] == "vllm+ngram+json"
     for r in (ours, theirs):
         assert r["structured_outputs"] == {"kind": "json", "json": schema, "source": PERSON, "ignore_eos": False,
