@@ -3,10 +3,11 @@
 # TPOT and tok/s at batch 1 / 8 / 32, plain and MTP k=1..3 (random MTP weights accept ~nothing: this is the
 # step-time cost of speculation), the chunked-prefill throughput, and vLLM 0.23 (load_format="dummy") side by side.
 #
-#   bash scripts/bench_hybrid_gpu.sh jax     # call 1 (~6-8 min cold): jaxspec plain b1/b8/b32, MTP k=1..3 at b32
-#                                            #   (+ steady-state step times at 1/8/32 in the b32 runs), prefill
-#   bash scripts/bench_hybrid_gpu.sh vllm    # call 2: vLLM plain b1/b8/b32 (jaxspec plain rerun beside it, cached)
-#   bash scripts/bench_hybrid_gpu.sh vllm-mtp  # call 3 if device time is left: vLLM MTP k=1..3 at b32
+#   bash scripts/bench_hybrid_gpu.sh jax     # jaxspec plain and MTP k=1..3 at b1/b8/b32 (~10 min on an H100: each
+#                                            #   method's engine compiles the steps it uses, ~19 s each), then the
+#                                            #   2048-token prefill run (~6 min: 18 steps compiled) and the kernels
+#   bash scripts/bench_hybrid_gpu.sh vllm    # vLLM plain b1/b8/b32 on the same prompts (~2.5 min per batch size)
+#   bash scripts/bench_hybrid_gpu.sh vllm-mtp  # vLLM MTP k=1..3 at b32 and b1
 #   bash scripts/bench_hybrid_gpu.sh cpu     # the jaxspec commands on a scaled-down copy of the config, on CPU
 #
 # Run from the repository root. Every JSON goes to $OUT_DIR (/tmp/out); WALL lines give each command's seconds.
@@ -40,24 +41,24 @@ json.dump(src, open(sys.argv[1] + "/config.json", "w"), indent=1)
 EOF
   IN=16 OUTLEN=8 MML=128 MNBT=64 STEADY="1 2" STEPS=4 BATCHES="2" PF_IN=64 PF_N=2 PF_MNBT=64
 fi
-BENCH="$PY -m jaxspec.bench --model $CFG --random-weights --dtype bfloat16 --dataset random --input-len $IN
+DTYPE=bfloat16; [ "$STAGE" = cpu ] && DTYPE=float32
+BENCH="$PY -m jaxspec.bench --model $CFG --random-weights --dtype $DTYPE --dataset random --input-len $IN
   --output-len $OUTLEN --max-model-len $MML --max-num-batched-tokens $MNBT --quiet"
-[ "$STAGE" = cpu ] && BENCH=${BENCH/bfloat16/float32}
 prompts() { local n=$(($1 * 2)); [ $n -lt 4 ] && n=4; echo $n; }   # 2 waves of requests per batch size
 run() { local name=$1 t0=$SECONDS rc; shift; "$@"; rc=$?; echo "WALL $name $((SECONDS - t0)) s rc=$rc"; }
 
 case $STAGE in
 jax|cpu)
-  for b in $BATCHES; do   # plain; the largest batch also takes the steady-state step times at 1 / 8 / 32
-    extra=""; [ "$b" = "${BATCHES##* }" ] && extra="--steady-state $STEADY --steady-steps $STEPS"
-    run plain_b$b $BENCH --num-prompts $(prompts $b) --max-concurrency $b $extra --json $OUT_DIR/hy_plain_b$b.json
-  done
-  b=${BATCHES##* }
-  for k in 1 2 3; do      # MTP: the serving run at the largest batch, steady-state step times at each batch
-    [ "$STAGE" = cpu ] && [ $k -gt 1 ] && break
-    run mtp${k}_b$b $BENCH --num-prompts $(prompts $b) --max-concurrency $b --spec-method mtp --num-spec-tokens $k \
-      --steady-state $STEADY --steady-steps $STEPS --json $OUT_DIR/hy_mtp${k}_b$b.json
-  done
+  # the workload: random prompts over the config's vocabulary (the first 2 x batch of them run at each batch size)
+  VOCAB=$($PY -c "import json,sys; c=json.load(open(sys.argv[1]+'/config.json')); print(c.get('text_config', c)['vocab_size'])" $CFG)
+  $PY -c "import json,sys,numpy as np; r=np.random.default_rng(0); json.dump({'sessions': [[[r.integers(0, int(sys.argv[1]), int(sys.argv[2])).tolist(), int(sys.argv[3])]] for _ in range(64)]}, open(sys.argv[4], 'w'))" \
+    $VOCAB $IN $OUTLEN $OUT_DIR/random_prompts.json
+  # plain and MTP k=1..3 on one loaded target, each method one engine driven at every batch size
+  NP=""; for b in $BATCHES; do NP="$NP $(prompts $b)"; done
+  run plain_and_mtp $PY scripts/bench_spec_gpu.py --random-weights --model $CFG --dtype $DTYPE --method none \
+    --method mtp@1 --method mtp@3 --method mtp@2 --workload random=$OUT_DIR/random_prompts.json --ignore-eos \
+    --concurrency $BATCHES --num-prompts $NP --output-len $OUTLEN --max-model-len $MML --max-num-batched-tokens $MNBT \
+    --json $OUT_DIR/hy_spec.json
   # chunked prefill: 2048-token prompts, one output token, 2048-token chunks (total_throughput ~ prefill tok/s)
   run prefill $BENCH --max-num-batched-tokens $PF_MNBT --input-len $PF_IN --output-len 1 --max-model-len $((PF_IN + 64)) --num-prompts $PF_N --max-concurrency $PF_N \
     --json $OUT_DIR/hy_prefill.json
@@ -65,16 +66,14 @@ jax|cpu)
   [ "$STAGE" = jax ] && run delta_rule $PY scripts/bench_delta_rule.py --heads 16 --kinds prefill,decode,verify \
     --k 3 --json $OUT_DIR/hy_delta_rule.json
   ;;
-vllm)
-  for b in 8 32 1; do
-    run vllm_plain_b$b $BENCH --num-prompts $(prompts $b) --max-concurrency $b --baseline vllm --vllm-model $CFG \
-      --json $OUT_DIR/hy_vllm_plain_b$b.json
-  done
+vllm)   # vLLM alone on the same prompts (the first 2 x batch of the same generator's draws)
+  VOCAB=$($PY -c "import json,sys; c=json.load(open(sys.argv[1]+'/config.json')); print(c.get('text_config', c)['vocab_size'])" $CFG)
+  run vllm_plain $PY scripts/vllm_random_prompts.py $CFG $OUT_DIR/hy_vllm_plain.json $VOCAB 1,8,32
   ;;
 vllm-mtp)
+  VOCAB=$($PY -c "import json,sys; c=json.load(open(sys.argv[1]+'/config.json')); print(c.get('text_config', c)['vocab_size'])" $CFG)
   for k in 1 3 2; do
-    run vllm_mtp${k}_b32 $BENCH --num-prompts 64 --max-concurrency 32 --spec-method mtp --num-spec-tokens $k \
-      --baseline vllm --vllm-model $CFG --json $OUT_DIR/hy_vllm_mtp${k}_b32.json
+    run vllm_mtp$k $PY scripts/vllm_random_prompts.py $CFG $OUT_DIR/hy_vllm_mtp$k.json $VOCAB 32,1 mtp=$k
   done
   ;;
 *) echo "unknown stage $STAGE (jax, vllm, vllm-mtp, cpu)"; exit 2 ;;
