@@ -338,7 +338,7 @@ class Engine:
     # ---- one iteration -----------------------------------------------------------------------------
     def step(self, timings: dict | None = None) -> list[Request]:
         """Plan and dispatch the next step, then read the previous one. Returns requests with news.
-        `timings`: host seconds per phase (schedule, build, issue, wait, process) are added to it."""
+        `timings`: host seconds per phase (schedule, build, issue, wait, process, publish) are added to it."""
         with self._lock:
             clock = time.perf_counter
             t0 = clock()
@@ -359,10 +359,12 @@ class Engine:
             elif not updated and self.scheduler.has_work():
                 raise RuntimeError("the scheduler can place no request although some wait: the KV pool "
                                    f"({self.blocks.num_blocks} blocks) or max_num_batched_tokens is too small")
+            t3 = clock()
             self._publish(updated)
             if timings is not None:
                 timings["schedule"] = timings.get("schedule", 0.0) + t1 - t0
                 timings["dispatch"] = timings.get("dispatch", 0.0) + t2 - t1
+                timings["publish"] = timings.get("publish", 0.0) + clock() - t3
             return updated
 
     def flush(self) -> list[Request]:
