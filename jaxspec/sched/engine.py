@@ -31,7 +31,7 @@ from jaxspec.nn.sharding import TensorParallel
 from jaxspec.sampling_params import SamplingParams
 from jaxspec.sched.adaptive import KChooser
 from jaxspec.sched.block_manager import BlockManager
-from jaxspec.sched.output import append_tokens, take_delta
+from jaxspec.sched.output import confirm_tokens, render_texts, take_delta
 from jaxspec.sched.request import Request, Status
 from jaxspec.sched.scheduler import ScheduledRow, Scheduler
 from jaxspec.structured.compiler import GrammarCompiler, TokenAutomaton
@@ -454,33 +454,40 @@ class Engine:
         if self.step_config.num_speculative_tokens and any(row.sample and not row.request.finished
                                                            for row in rec.rows):
             self.spec_counters["chosen_k"][rec.proposed] += 1   # counted as read: async counts as sync does
-        accepted = tokens[:, -1]
+        rows_tokens = tokens.tolist()   # Python ints, read once: no per-row array indexing below
         lp = {k: np.asarray(out[k]) for k in ("logprob", "top_ids", "top_logprobs")} if rec.want_logprobs else None
-        updated = []
-        for r, row in enumerate(rec.rows):
+        now = time.perf_counter()      # the arrival time of every token this step confirms
+        live, sampled = [], []
+        for r, (row, row_tokens) in enumerate(zip(rec.rows, rows_tokens)):
             req = row.request
             req.in_flight -= 1
             req.in_flight_samples -= int(row.sample)
             if req.finished:
                 continue  # finished one step ago: this step's result for it is dropped
-            n_acc = int(accepted[r])
+            live.append(row)
+            n_acc = row_tokens[-1]
             if row.num_drafts:
                 self._count_spec(req, row.num_drafts, n_acc)
                 if req.status is Status.RUNNING:
                     req.num_computed -= row.num_drafts - n_acc   # the optimistic plan assumed all accepted
+            if row.sample:
+                per_token_lp = None
+                if lp is not None and req.params.logprobs is not None:
+                    n_top = req.params.logprobs
+                    per_token_lp = [{"logprob": float(lp["logprob"][r, j]),
+                                     "top": list(zip(lp["top_ids"][r, j, :n_top].tolist(),
+                                                     lp["top_logprobs"][r, j, :n_top].tolist()))}
+                                    for j in range(n_acc + 1)]
+                confirm_tokens(req, row_tokens[:n_acc + 1], self.step_config.max_model_len, per_token_lp, now)
+                sampled.append(req)
+        render_texts(sampled, self.tokenizer)
+        updated = []
+        for row in live:
+            req = row.request
             if not row.sample:
                 if req.status is Status.RUNNING:
                     self._cache_final_blocks(req, row.start + row.num_new)
                 continue
-            emitted = tokens[r, :n_acc + 1]
-            per_token_lp = None
-            if lp is not None and req.params.logprobs is not None:
-                n_top = req.params.logprobs
-                per_token_lp = [{"logprob": float(lp["logprob"][r, j]),
-                                 "top": list(zip(lp["top_ids"][r, j, :n_top].tolist(),
-                                                 lp["top_logprobs"][r, j, :n_top].tolist()))}
-                                for j in range(n_acc + 1)]
-            append_tokens(req, emitted, self.tokenizer, self.step_config.max_model_len, per_token_lp)
             if req.status is Status.RUNNING:
                 self._cache_final_blocks(req, req.num_tokens - 1)   # the last emitted token's KV is not written
             if req.finish_reason:
