@@ -47,3 +47,38 @@ def test_text_without_a_reader_is_decoded_once_at_the_end(tokenizer):
         append_tokens(req, ids[i:i + 3], tokenizer, max_model_len=10_000)
         assert req.text == "" or req.finish_reason == "length"
     assert req.finish_reason == "length" and req.text == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_one_render_for_many_requests_equals_each_whole_decode(tokenizer):
+    """A step renders all its requests' new text in one tokenizer call: each request, fed its own chunks
+    (one streamed, one with a stop string that never occurs, one unread until its end), gets exactly its whole
+    decode, and the unread one no text before it ends."""
+    from jaxspec.sched.output import confirm_tokens, render_texts
+    ids = tokenizer.encode(TEXT)
+    streamed = Request("a", [1], SamplingParams(max_tokens=len(ids), ignore_eos=True), 0, (), stream_text=True)
+    stopped = Request("b", [1], SamplingParams(max_tokens=len(ids), ignore_eos=True, stop=["<never>"]), 0, ())
+    unread = Request("c", [1], SamplingParams(max_tokens=len(ids), ignore_eos=True), 0, ())
+    fed = {streamed: ids[::-1], stopped: ids, unread: ids[5:] + ids[:5]}
+    chunk = {streamed: 1, stopped: 2, unread: 3}
+    step = 0
+    while not all(r.finish_reason for r in fed):
+        reqs = [r for r in fed if not r.finish_reason]
+        for r in reqs:
+            n = len(r.output_token_ids)
+            confirm_tokens(r, fed[r][n:n + chunk[r] + step % 2], 10_000, None, float(step))
+        render_texts(reqs, tokenizer)
+        assert unread.text == "" or unread.finish_reason == "length"
+        step += 1
+    for r, want in fed.items():
+        assert r.finish_reason == "length" and r.text == tokenizer.decode(want, skip_special_tokens=True)
+
+
+def test_inter_token_latencies_are_the_gaps_between_token_times(tokenizer):
+    """Kept as tokens arrive (a step's tokens share one arrival time): the gaps of the whole history."""
+    from jaxspec.sched.output import confirm_tokens, request_metrics
+    req = Request("r", [1], SamplingParams(max_tokens=100, ignore_eos=True), 0, ())
+    for now, chunk in ((1.0, [5, 6, 7]), (1.5, [8]), (3.25, [9, 10])):
+        confirm_tokens(req, chunk, 10_000, None, now)
+    times = req.token_times
+    assert times == [1.0] * 3 + [1.5] + [3.25] * 2
+    assert request_metrics(req)["inter_token_latencies"] == [b - a for a, b in zip(times, times[1:])]

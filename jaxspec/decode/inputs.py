@@ -89,6 +89,13 @@ class StepInputs:
         self.stop_ids = np.full((num_rows, MAX_STOP_IDS), -1, np.int32)
         self.block_tables = np.full((num_rows, max_blocks), -1, np.int32)
 
+    def copy(self) -> "StepInputs":
+        """A fresh copy (arrays of its own): a blank is copied rather than rebuilt each step."""
+        new = object.__new__(StepInputs)
+        for name in ("token_matrix", "int_rows", "float_rows", "stop_ids", "block_tables"):
+            setattr(new, name, getattr(self, name).copy())
+        return new
+
     @property
     def tokens(self) -> dict[str, np.ndarray]:
         return dict(zip(TOKEN_FIELDS, self.token_matrix))

@@ -55,20 +55,24 @@ class StepVariant:
     def of(p) -> "StepVariant":
         """What one request's SamplingParams need."""
         random = sampling.is_random(p.temperature)
-        return StepVariant(
+        variant = StepVariant(
             sample=random, top_k_top_p=random and (p.top_k > 0 or p.top_p < 1.0),
             penalties=p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1,
             logprobs=p.logprobs is not None, grammar=p.structured_outputs is not None)
+        return _INTERNED.setdefault(variant, variant)   # requests that need the same share one object
 
     @staticmethod
     def union(variants) -> "StepVariant":
         """The variant covering all of these (a step's, from the rows that sample in it)."""
         names = ("sample", "top_k_top_p", "penalties", "logprobs", "grammar")
-        variants = list(variants)
+        variants = list({id(v): v for v in variants}.values())   # a step's rows share a few (interned by `of`)
         return StepVariant(**{n: any(getattr(v, n) for v in variants) for n in names})
 
     def draft_width(self, sc: StepConfig) -> int:
         return sc.num_speculative_tokens if self.drafts is None else self.drafts
+
+
+_INTERNED: dict[StepVariant, StepVariant] = {}
 
 
 class Tokens(NamedTuple):

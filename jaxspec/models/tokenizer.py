@@ -48,6 +48,16 @@ class Tokenizer:
             return self._rust.decode(ids, skip_special_tokens=skip_special_tokens)
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def decode_batch(self, sequences: list[list[int]], skip_special_tokens: bool = True) -> list[str]:
+        """`decode` of each of `sequences`, which must be lists of Python ints (no conversion): what the engine
+        renders each step. One Rust call per sequence: the Rust `decode_batch` hands a step's few short
+        sequences to a thread pool, which costs more than it saves (measured: 15 us against 2 us for 2
+        sequences, 60 against 56 for 64)."""
+        if self._rust is not None:
+            decode = self._rust.decode
+            return [decode(ids, skip_special_tokens=skip_special_tokens) for ids in sequences]
+        return [self.hf.decode(ids, skip_special_tokens=skip_special_tokens) for ids in sequences]
+
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         """The prompt text for `messages` ([{'role': ..., 'content': ...}]) rendered by the chat template."""
         if not self.chat_template:

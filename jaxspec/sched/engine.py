@@ -22,7 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.decode.inputs import MAX_STOP_IDS, STEP_INT_ROWS, request_values
+from jaxspec.decode.inputs import (MAX_STOP_IDS, REQUEST_FLOAT_ROWS, REQUEST_INT_ROWS, STEP_INT_ROWS,
+                                   request_values)
 from jaxspec.decode.runner import ModelRunner
 from jaxspec.decode.state import StepConfig
 from jaxspec.decode.step import StepVariant
@@ -31,7 +32,7 @@ from jaxspec.nn.sharding import TensorParallel
 from jaxspec.sampling_params import SamplingParams
 from jaxspec.sched.adaptive import KChooser
 from jaxspec.sched.block_manager import BlockManager
-from jaxspec.sched.output import append_tokens, take_delta
+from jaxspec.sched.output import confirm_tokens, render_texts, take_delta
 from jaxspec.sched.request import Request, Status
 from jaxspec.sched.scheduler import ScheduledRow, Scheduler
 from jaxspec.structured.compiler import GrammarCompiler, TokenAutomaton
@@ -148,6 +149,11 @@ class Engine:
         self._ids = itertools.count()
         self._rng = np.random.default_rng(config.seed)
         self._in_flight: _InFlight | None = None
+        # Each slot's request's fixed row values and stop ids (`_write_slot_values`), gathered per step.
+        slots = self.step_config.num_slots
+        self._slot_ints = np.zeros((slots, len(REQUEST_INT_ROWS)), np.int32)
+        self._slot_floats = np.zeros((slots, len(REQUEST_FLOAT_ROWS)), np.float32)
+        self._slot_stop_ids = np.full((slots, MAX_STOP_IDS), -1, np.int32)
         self._compiled_at_warmup: int | None = None
         self.counters = {"steps": 0, "scheduled_rows": 0, "padded_tokens": 0, "scheduled_tokens": 0}
         k = self.step_config.num_speculative_tokens
@@ -338,7 +344,7 @@ class Engine:
     # ---- one iteration -----------------------------------------------------------------------------
     def step(self, timings: dict | None = None) -> list[Request]:
         """Plan and dispatch the next step, then read the previous one. Returns requests with news.
-        `timings`: host seconds per phase (schedule, build, issue, wait, process) are added to it."""
+        `timings`: host seconds per phase (schedule, build, issue, wait, process, publish) are added to it."""
         with self._lock:
             clock = time.perf_counter
             t0 = clock()
@@ -359,10 +365,12 @@ class Engine:
             elif not updated and self.scheduler.has_work():
                 raise RuntimeError("the scheduler can place no request although some wait: the KV pool "
                                    f"({self.blocks.num_blocks} blocks) or max_num_batched_tokens is too small")
+            t3 = clock()
             self._publish(updated)
             if timings is not None:
                 timings["schedule"] = timings.get("schedule", 0.0) + t1 - t0
                 timings["dispatch"] = timings.get("dispatch", 0.0) + t2 - t1
+                timings["publish"] = timings.get("publish", 0.0) + clock() - t3
             return updated
 
     def flush(self) -> list[Request]:
@@ -380,24 +388,26 @@ class Engine:
         T = self.runner.bucket_for(num_tokens)
         inp = self.runner.new_inputs(T)
         n = len(rows)
-        first = np.cumsum([0] + num_new[:-1])                  # each row's first token in the step
+        first = list(itertools.accumulate(num_new, initial=0))   # each row's first token in the step (and the end)
         counts = np.asarray(num_new, np.int64)
-        inp.tokens["row"][:num_tokens] = np.repeat(np.arange(n), counts)
-        inp.tokens["offset"][:num_tokens] = np.arange(num_tokens) - np.repeat(first, counts)
-        inp.write_rows(np.array([(row.request.slot, row.num_new, row.start, row.num_drafts, f, row.sample,
-                                  row.new_slot, *self._grammar_row(row)) for row, f in zip(rows, first.tolist())],
-                                np.int32),
-                       np.array([row.request.row_ints for row in rows], np.int32),
-                       np.array([row.request.row_floats for row in rows], np.float32))
+        tokens = inp.tokens
+        tokens["row"][:num_tokens] = np.repeat(np.arange(n), counts)
+        tokens["offset"][:num_tokens] = np.arange(num_tokens) - np.repeat(first[:-1], counts)
         for r, row in enumerate(rows):
-            req = row.request
+            if row.new_slot:   # the request's first step in its slot: its fixed values go in the slot's table row
+                self._write_slot_values(row.request)
             if row.token_ids:
-                inp.tokens["token_id"][first[r]:first[r] + row.num_new] = row.token_ids
-            if req.min_tokens_stop_ids:
-                inp.stop_ids[r, :len(req.min_tokens_stop_ids)] = req.min_tokens_stop_ids
-            inp.block_tables[r, :len(req.block_ids)] = req.block_ids
+                tokens["token_id"][first[r]:first[r] + row.num_new] = row.token_ids
             if row.cached_ids:
-                self.runner.write_history(req.slot, row.cached_ids)
+                self.runner.write_history(row.request.slot, row.cached_ids)
+        slots = [row.request.slot for row in rows]
+        inp.write_rows(self._step_row_values(rows, slots, counts, first), self._slot_ints[slots],
+                       self._slot_floats[slots])
+        inp.stop_ids[:n] = self._slot_stop_ids[slots]
+        block_ids = [row.request.block_ids for row in rows]
+        lengths = np.fromiter(map(len, block_ids), np.int64, n)
+        inp.block_tables[:n][np.arange(inp.block_tables.shape[1]) < lengths[:, None]] = list(
+            itertools.chain.from_iterable(block_ids))   # row-major: each row's blocks, then padding
         variant = StepVariant.union([row.request.step_variant for row in rows if row.sample])
         index = self.counters["steps"]
         width, proposed = self._draft_width(rows, index)
@@ -414,6 +424,34 @@ class Engine:
         self.counters["scheduled_tokens"] += num_tokens
         self.counters["padded_tokens"] += T
         return _InFlight(rows, out, variant.logprobs, index, width, T, t1, self.runner.last_run_compiled, proposed)
+
+    def _write_slot_values(self, req: Request):
+        """The request's fixed row values (decode/inputs.py) and its stop ids masked until min_tokens, in the
+        host tables indexed by slot, from which each step's rows are gathered in one indexing."""
+        self._slot_ints[req.slot] = req.row_ints
+        self._slot_floats[req.slot] = req.row_floats
+        self._slot_stop_ids[req.slot] = -1
+        self._slot_stop_ids[req.slot, :len(req.min_tokens_stop_ids)] = req.min_tokens_stop_ids
+
+    def _step_row_values(self, rows: list[ScheduledRow], slots: list[int], counts: np.ndarray,
+                         first: list[int]) -> np.ndarray:
+        """[n, len(STEP_INT_ROWS)]: the step's own row values. Whole columns as decode rows have them (the
+        device's own start, drafts = the rest of the row, sampling, no grammar); then rows that differ
+        (prefill rows, constrained ones) one by one."""
+        values = np.empty((len(rows), len(STEP_INT_ROWS)), np.int32)
+        values[:, 0] = slots
+        values[:, 1] = counts
+        values[:, 2] = -1
+        values[:, 3] = counts - 1
+        values[:, 4] = first[:-1]
+        values[:, 5] = 1
+        values[:, 6] = 0
+        values[:, 7:] = -1
+        for r, row in enumerate(rows):
+            if row.start >= 0 or row.request.grammar is not None:
+                values[r] = (slots[r], row.num_new, row.start, row.num_drafts, first[r], row.sample, row.new_slot,
+                             *self._grammar_row(row))
+        return values
 
     def _grammar_row(self, row: ScheduledRow) -> tuple[int, int]:
         """(grammar_base, grammar_init) of a row: where its automaton sits in the table (-1: unconstrained)
@@ -452,33 +490,40 @@ class Engine:
         if self.step_config.num_speculative_tokens and any(row.sample and not row.request.finished
                                                            for row in rec.rows):
             self.spec_counters["chosen_k"][rec.proposed] += 1   # counted as read: async counts as sync does
-        accepted = tokens[:, -1]
+        rows_tokens = tokens.tolist()   # Python ints, read once: no per-row array indexing below
         lp = {k: np.asarray(out[k]) for k in ("logprob", "top_ids", "top_logprobs")} if rec.want_logprobs else None
-        updated = []
-        for r, row in enumerate(rec.rows):
+        now = time.perf_counter()      # the arrival time of every token this step confirms
+        live, sampled = [], []
+        for r, (row, row_tokens) in enumerate(zip(rec.rows, rows_tokens)):
             req = row.request
             req.in_flight -= 1
             req.in_flight_samples -= int(row.sample)
             if req.finished:
                 continue  # finished one step ago: this step's result for it is dropped
-            n_acc = int(accepted[r])
+            live.append(row)
+            n_acc = row_tokens[-1]
             if row.num_drafts:
                 self._count_spec(req, row.num_drafts, n_acc)
                 if req.status is Status.RUNNING:
                     req.num_computed -= row.num_drafts - n_acc   # the optimistic plan assumed all accepted
+            if row.sample:
+                per_token_lp = None
+                if lp is not None and req.params.logprobs is not None:
+                    n_top = req.params.logprobs
+                    per_token_lp = [{"logprob": float(lp["logprob"][r, j]),
+                                     "top": list(zip(lp["top_ids"][r, j, :n_top].tolist(),
+                                                     lp["top_logprobs"][r, j, :n_top].tolist()))}
+                                    for j in range(n_acc + 1)]
+                confirm_tokens(req, row_tokens[:n_acc + 1], self.step_config.max_model_len, per_token_lp, now)
+                sampled.append(req)
+        render_texts(sampled, self.tokenizer)
+        updated = []
+        for row in live:
+            req = row.request
             if not row.sample:
                 if req.status is Status.RUNNING:
                     self._cache_final_blocks(req, row.start + row.num_new)
                 continue
-            emitted = tokens[r, :n_acc + 1]
-            per_token_lp = None
-            if lp is not None and req.params.logprobs is not None:
-                n_top = req.params.logprobs
-                per_token_lp = [{"logprob": float(lp["logprob"][r, j]),
-                                 "top": list(zip(lp["top_ids"][r, j, :n_top].tolist(),
-                                                 lp["top_logprobs"][r, j, :n_top].tolist()))}
-                                for j in range(n_acc + 1)]
-            append_tokens(req, emitted, self.tokenizer, self.step_config.max_model_len, per_token_lp)
             if req.status is Status.RUNNING:
                 self._cache_final_blocks(req, req.num_tokens - 1)   # the last emitted token's KV is not written
             if req.finish_reason:

@@ -82,36 +82,69 @@ def append_tokens(req: Request, tokens, tokenizer, max_model_len: int, logprobs=
 
     Returns (new token ids, new text). Sets req.finish_reason when the request is done.
     """
+    old_text = req.text
+    new_ids = confirm_tokens(req, [int(t) for t in tokens], max_model_len, logprobs, time.perf_counter())
+    render_texts([req], tokenizer)
+    return new_ids, req.text[len(old_text):] if req.text.startswith(old_text) else req.text
+
+
+def confirm_tokens(req: Request, tokens: list[int], max_model_len: int, logprobs, now: float) -> list[int]:
+    """Appends device-confirmed tokens (Python ints) up to the first that ends the request (stop id, EOS,
+    max_tokens, max_model_len), setting req.finish_reason then; `now`: their arrival time. Returns those
+    appended. The text is rendered apart (`render_texts`), for all of a step's requests at once."""
     p = req.params
-    now = time.perf_counter()
-    new_ids: list[int] = []
+    out = req.output_token_ids
+    stop_ids = p.stop_token_ids if p.ignore_eos else (*req.eos_token_ids, *p.stop_token_ids)
+    prompt_len = len(req.prompt_token_ids)
     for i, tok in enumerate(tokens):
-        tok = int(tok)
-        req.output_token_ids.append(tok)
-        new_ids.append(tok)
-        if logprobs is not None:
-            req.logprobs.append(logprobs[i])
-        req.token_times.append(now)
-        n_out = len(req.output_token_ids)
-        if n_out >= p.min_tokens and ((not p.ignore_eos and tok in req.eos_token_ids) or tok in p.stop_token_ids):
+        out.append(tok)
+        n_out = len(out)
+        if n_out >= p.min_tokens and tok in stop_ids:
             req.finish_reason = "stop"
-        elif n_out >= p.max_tokens or req.num_tokens >= max_model_len:
+        elif n_out >= p.max_tokens or prompt_len + n_out >= max_model_len:
             req.finish_reason = "length"
         if req.finish_reason:
+            tokens = tokens[:i + 1]
             break
-    if req.first_token_time is None and new_ids:
+    if logprobs is not None:
+        req.logprobs.extend(logprobs[:len(tokens)])
+    if tokens and req.token_times:
+        req.inter_token_latencies.append(now - req.token_times[-1])
+    req.inter_token_latencies.extend([0.0] * (len(tokens) - 1))   # a step's tokens arrive together
+    req.token_times.extend([now] * len(tokens))
+    if req.first_token_time is None and tokens:
         req.first_token_time = now
-    old_text = req.text
-    if tokenizer is not None and (req.stream_text or p.stop):
-        _detokenize(req, tokenizer, _text_ids(req))
+    return tokens
+
+
+def renders_text(req: Request, tokenizer) -> bool:
+    """Whether the request's text is read while it runs (streamed, or checked for stop strings) and is so
+    rendered every step; otherwise it is decoded once, when the request ends (`final_text`)."""
+    return tokenizer is not None and (req.stream_text or bool(req.params.stop))
+
+
+def render_texts(reqs: list[Request], tokenizer):
+    """Brings each request's text up to its confirmed tokens: incremental detokenization of the requests that
+    render text (one `decode_batch` for all of them), then stop strings, which end a request and cut its text
+    right before the first one; a finished request that rendered nothing gets its whole text."""
+    rendering = [req for req in reqs if renders_text(req, tokenizer)]
+    old_lens = [len(req.text) for req in rendering]
+    windows = [_detok_window(req, _text_ids(req)) for req in rendering]
+    live = [w for w in windows if w is not None]
+    texts = iter(tokenizer.decode_batch([ids for w in live for ids in w[:2]], skip_special_tokens=True)
+                 if live else [])
+    for req, old_len, window in zip(rendering, old_lens, windows):
+        if window is not None:
+            _advance_text(req, next(texts), next(texts), window[2])
+        p = req.params
         if p.stop and len(req.output_token_ids) >= p.min_tokens:
-            hit = _first_stop(req.text, p.stop, max(0, len(old_text) - max(map(len, p.stop))))
+            hit = _first_stop(req.text, p.stop, max(0, old_len - max(map(len, p.stop))))
             if hit is not None:
                 req.text = req.text[:hit]
                 req.finish_reason = "stop"
-    else:
-        final_text(req, tokenizer)
-    return new_ids, req.text[len(old_text):] if req.text.startswith(old_text) else req.text
+    for req in reqs:
+        if req.finish_reason and not req.text:
+            final_text(req, tokenizer)
 
 
 def _text_ids(req: Request) -> list[int]:
@@ -131,18 +164,21 @@ def final_text(req: Request, tokenizer) -> str:
     return req.text
 
 
-def _detokenize(req: Request, tokenizer, ids: list[int]):
-    """Incremental detokenization: decode only a short window of the newest tokens each step (a whole
-    decode per step is quadratic in the output length). The window starts a few tokens back so that
-    tokens whose text depends on their neighbours (leading spaces, multi-byte characters split over
-    tokens) render as a full decode would."""
+# Incremental detokenization: decode only a short window of the newest tokens each step (a whole decode per
+# step is quadratic in the output length). The window starts a few tokens back so that tokens whose text
+# depends on their neighbours (leading spaces, multi-byte characters split over tokens) render as a full
+# decode would: the text of ids[prefix:] minus that of ids[prefix:read] is what the new tokens add.
+def _detok_window(req: Request, ids: list[int]) -> tuple[list[int], list[int], int] | None:
+    """(ids[prefix:read], ids[prefix:], len(ids)) to decode, or None when no token is new."""
     if req.detok_read >= len(ids):
-        return
-    prefix = tokenizer.decode(ids[req.detok_prefix:req.detok_read], skip_special_tokens=True)
-    full = tokenizer.decode(ids[req.detok_prefix:], skip_special_tokens=True)
+        return None
+    return ids[req.detok_prefix:req.detok_read], ids[req.detok_prefix:], len(ids)
+
+
+def _advance_text(req: Request, prefix: str, full: str, num_ids: int):
     if len(full) > len(prefix) and (not full.endswith("\ufffd") or req.finish_reason):
         req.text += full[len(prefix):]  # a trailing incomplete character waits for its remaining tokens
-        req.detok_prefix, req.detok_read = req.detok_read, len(ids)
+        req.detok_prefix, req.detok_read = req.detok_read, num_ids
 
 
 def _first_stop(text: str, stops: list[str], search_from: int) -> int | None:
@@ -183,7 +219,7 @@ def request_metrics(req: Request) -> dict:
         "num_output_tokens": n,
         "ttft": (req.first_token_time - req.arrival_time) if req.first_token_time else None,
         "tpot": ((times[-1] - times[0]) / (n - 1)) if n > 1 else None,
-        "inter_token_latencies": [b - a for a, b in zip(times, times[1:])],
+        "inter_token_latencies": list(req.inter_token_latencies),
         "e2e_latency": ((req.finish_time or time.perf_counter()) - req.arrival_time),
         "num_preemptions": req.num_preemptions,
         "num_draft_tokens": req.num_draft_tokens,

@@ -59,6 +59,9 @@ class Request:
     logprobs: list = dataclasses.field(default_factory=list)
     first_token_time: float | None = None
     token_times: list[float] = dataclasses.field(default_factory=list)
+    # gaps between consecutive token_times, kept as tokens arrive: each streamed delta's metrics copy it
+    # rather than recompute it from the whole history
+    inter_token_latencies: list[float] = dataclasses.field(default_factory=list)
     finish_time: float | None = None
     num_preemptions: int = 0
     num_draft_tokens: int = 0

@@ -13,18 +13,18 @@ from jaxspec.sched.block_manager import BlockManager
 from jaxspec.sched.request import Request, Status
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)   # a few dozen made per step: slots make them cheaper to make and read
 class ScheduledRow:
     request: Request
     num_new: int          # tokens the row feeds the model this step
     num_drafts: int       # of those, drafts to verify (decode rows under speculation)
     start: int            # position of the first token for prefill rows; -1: the device's own count
-    token_ids: list[int]  # host-known ids (prefill rows); decode rows read theirs on the device
+    token_ids: list[int] | tuple  # host-known ids (prefill rows); decode rows read theirs on the device: ()
     sample: bool          # the row emits tokens this step
     new_slot: bool = False  # the request's first step in its slot (what the slot held before is stale)
     # A (re)admitted request whose first `start` tokens come from the prefix cache: their ids, which the
     # slot's device history needs (penalties and prompt lookup read it) though no step computes them.
-    cached_ids: list[int] = dataclasses.field(default_factory=list)
+    cached_ids: list[int] | tuple = ()
 
 
 class Scheduler:
@@ -52,7 +52,7 @@ class Scheduler:
     def schedule(self) -> list[ScheduledRow]:
         budget = self.max_num_batched_tokens
         rows: list[ScheduledRow] = []
-        scheduled: set[int] = set()
+        block_size = self.blocks.block_size
         for req in list(self.running):
             if req.status is not Status.RUNNING or budget == 0:
                 continue
@@ -60,10 +60,11 @@ class Scheduler:
             if row is None:
                 continue
             lookahead = self.draft_lookahead if row.sample else 0   # the drafts proposed after sampling
-            if not self._reserve(req, req.num_computed + row.num_new + lookahead, scheduled):
+            need = req.num_computed + row.num_new + lookahead
+            # (most steps a request's blocks already hold what it plans: no allocation to try)
+            if need > len(req.block_ids) * block_size and not self._reserve(req, need, rows):
                 continue
             rows.append(self._commit(row))
-            scheduled.add(id(req))
             budget -= row.num_new
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
@@ -78,7 +79,6 @@ class Scheduler:
             self.waiting.popleft()
             self.running.append(req)
             rows.append(self._commit(row))
-            scheduled.add(id(req))
             budget -= row.num_new
         return rows
 
@@ -117,7 +117,7 @@ class Scheduler:
         num_drafts = min(req.num_proposed, room)   # what its last sampling step proposed (k, or a chosen one)
         if 1 + num_drafts > budget:
             return None
-        return ScheduledRow(req, 1 + num_drafts, num_drafts, -1, [], sample=True)
+        return ScheduledRow(req, 1 + num_drafts, num_drafts, -1, (), sample=True)
 
     def _commit(self, row: ScheduledRow) -> ScheduledRow:
         req = row.request
@@ -126,10 +126,12 @@ class Scheduler:
         req.in_flight_samples += int(row.sample)
         return row
 
-    def _reserve(self, req: Request, num_tokens: int, scheduled: set[int]) -> bool:
-        """Blocks for `num_tokens`; preempts the newest unscheduled running requests when short."""
+    def _reserve(self, req: Request, num_tokens: int, rows: list[ScheduledRow]) -> bool:
+        """Blocks for `num_tokens`; preempts the newest running requests not in `rows` (this step's so far)
+        when short."""
         num_tokens = min(num_tokens, self.max_model_len)   # a block table holds max_model_len positions
         while not self.blocks.grow(req.block_ids, num_tokens):
+            scheduled = {id(row.request) for row in rows}
             victims = [r for r in self.running if r is not req and id(r) not in scheduled]
             victim = victims[-1] if victims else req
             self.preempt(victim)
