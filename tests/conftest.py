@@ -160,16 +160,43 @@ def random_model(seed: int = 0, *, arch: str = "llama", vocab_size: int = 128, h
     return model
 
 
+def transformers_from_gguf(path):
+    """transformers' own float32 load of a GGUF file (the reference implementation), with two of its repeated
+    pure computations done once: it reads the file's metadata twice (config, then tensors; every tokenizer string
+    becomes a numpy view, tens of seconds for a large vocabulary) and builds the same tensor-name map once per
+    module. The same reader and map are used; what it loads is unchanged."""
+    import functools
+    from pathlib import Path
+    import gguf
+    import torch
+    import transformers
+    path = Path(path)
+    readers = {}
+    real_reader, real_map = gguf.GGUFReader, gguf.get_tensor_name_map
+
+    class OnceReader(real_reader):
+        def __new__(cls, file, *args, **kwargs):
+            if str(file) not in readers:
+                readers[str(file)] = reader = super().__new__(cls)
+                real_reader.__init__(reader, file, *args, **kwargs)
+            return readers[str(file)]
+
+        def __init__(self, *args, **kwargs):   # initialised once, in __new__
+            pass
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = OnceReader, functools.lru_cache(None)(real_map)
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                                  dtype=torch.float32)
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = real_reader, real_map
+    return model.eval()
+
+
 @pytest.fixture(scope="session")
 def smollm2_hf_model(smollm2_gguf_path):
     """transformers' own float32 load of the same SmolLM2 GGUF: the reference implementation."""
-    import torch
-    import transformers
-    from pathlib import Path
-    path = Path(smollm2_gguf_path)
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                              dtype=torch.float32)
-    return model.eval()
+    return transformers_from_gguf(smollm2_gguf_path)
 
 
 # ---- the speculation tests' tiny target and drafters (tests/test_spec.py; shared with test_adaptive_k.py,
