@@ -160,13 +160,87 @@ def random_model(seed: int = 0, *, arch: str = "llama", vocab_size: int = 128, h
     return model
 
 
+def transformers_from_gguf(path):
+    """transformers' own float32 load of a GGUF file (the reference implementation), with two of its repeated
+    pure computations done once: it reads the file's metadata twice (config, then tensors; every tokenizer string
+    becomes a numpy view, tens of seconds for a large vocabulary) and builds the same tensor-name map once per
+    module. The same reader and map are used; what it loads is unchanged."""
+    import functools
+    from pathlib import Path
+    import gguf
+    import torch
+    import transformers
+    path = Path(path)
+    readers = {}
+    real_reader, real_map = gguf.GGUFReader, gguf.get_tensor_name_map
+
+    class OnceReader(real_reader):
+        def __new__(cls, file, *args, **kwargs):
+            if str(file) not in readers:
+                readers[str(file)] = reader = super().__new__(cls)
+                real_reader.__init__(reader, file, *args, **kwargs)
+            return readers[str(file)]
+
+        def __init__(self, *args, **kwargs):   # initialised once, in __new__
+            pass
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = OnceReader, functools.lru_cache(None)(real_map)
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                                  dtype=torch.float32)
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = real_reader, real_map
+    return model.eval()
+
+
 @pytest.fixture(scope="session")
 def smollm2_hf_model(smollm2_gguf_path):
     """transformers' own float32 load of the same SmolLM2 GGUF: the reference implementation."""
-    import torch
-    import transformers
-    from pathlib import Path
-    path = Path(smollm2_gguf_path)
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                              dtype=torch.float32)
-    return model.eval()
+    return transformers_from_gguf(smollm2_gguf_path)
+
+
+# ---- the speculation tests' tiny target and drafters (tests/test_spec.py; shared with test_adaptive_k.py,
+# test_prefix_cache.py and test_tp.py): session-scoped, so a worker builds and fits them once --------------
+SPEC_VOCAB = 128
+
+
+@pytest.fixture(scope="session")
+def spec_target():
+    """The target of tests/test_spec.py (its docstring says why its attention is damped)."""
+    return random_model(0, vocab_size=SPEC_VOCAB, num_layers=4, attn_gain=0.3)
+
+
+@pytest.fixture(scope="session")
+def spec_drafters(spec_target, tmp_path_factory):
+    """method -> `SpeculativeConfig.model` for that method: a perturbed copy of the target (it agrees with
+    the target often but not always), EAGLE heads fitted to the target, nothing for n-gram."""
+    from eagle_heads import fit_eagle_head
+    target = spec_target
+    root = tmp_path_factory.mktemp("heads")
+    return {"draft_model": random_model(1, vocab_size=SPEC_VOCAB, num_layers=4, base=target, noise=0.15),
+            "eagle": fit_eagle_head("eagle", root / "eagle1", target, seed=2, num_layers=2, reg_weight=5.0),
+            "eagle3": fit_eagle_head("eagle3", root / "eagle3", target, seed=3, reg_weight=5.0),
+            "ngram": None}
+
+
+@pytest.fixture(scope="session")
+def spec_references(spec_target, spec_drafters):
+    """The independent dense references: "target" (Greedy: the target's greedy continuations), "heads"
+    ({method: EagleReference}) and "propose" ({method: propose(sequence, k) -> the k greedy drafts the
+    method must hold after `sequence`})."""
+    import json
+    from safetensors.numpy import load_file
+    from reference import EagleReference, Greedy, ngram_drafts
+    from jaxspec.models.config import ModelConfig
+    target, drafters = spec_target, spec_drafters
+    heads = {}
+    for method in ("eagle", "eagle3"):
+        path = drafters[method]
+        hcfg = ModelConfig.from_hf({"model_type": "llama", **json.loads((path / "config.json").read_text())})
+        heads[method] = EagleReference(method, load_file(str(path / "model.safetensors")), hcfg, target.hf_tensors,
+                                       target.config)
+    draft = drafters["draft_model"]
+    propose = {"draft_model": Greedy(draft.hf_tensors, draft.config).next_tokens,
+               "ngram": lambda seq, k: ngram_drafts(list(seq), k, 2, 4),
+               **{m: h.greedy_drafts for m, h in heads.items()}}
+    return {"target": Greedy(target.hf_tensors, target.config), "heads": heads, "propose": propose}

@@ -115,22 +115,35 @@ def results(llm, prompts, params):
     return [(o.token_ids, o.metrics["num_draft_tokens"], o.metrics["num_accepted_tokens"]) for o in outs]
 
 
+def plain_tokens(target, prompts, params):  # noqa: F811
+    return [o.token_ids for o in LLM(target, **{**ENGINE, "num_kv_blocks": 40, "warmup": False}).generate(
+        prompts, params, use_tqdm=False)]
+
+
+CHOSEN_PROMPTS = [prompt_of(5, 90), prompt_of(9, 91)]
+CHOSEN_PARAMS = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def chosen_plain(target):  # noqa: F811
+    """Plain decoding of the test below's requests, run once for its three drafters."""
+    return plain_tokens(target, CHOSEN_PROMPTS, CHOSEN_PARAMS)
+
+
 @pytest.mark.parametrize("drafter", ["never_matching", "target", "perturbed"])
-def test_chosen_k_follows_acceptance(target, drafters, drafter):  # noqa: F811
+def test_chosen_k_follows_acceptance(target, drafters, chosen_plain, drafter):  # noqa: F811
     """A drafter that never matches drives k to 0, the target drafting for itself drives it to K, a drafter in
     between to a k in between; the tokens are those of fixed k and of plain decoding; async and sync make the
     same choices and counts."""
     model = {"never_matching": never_matching(target), "target": target,
              "perturbed": drafters["draft_model"]}[drafter]
-    prompts = [prompt_of(5, 90), prompt_of(9, 91)]
-    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
-    plain = LLM(target, **{**ENGINE, "num_kv_blocks": 40, "warmup": False}).generate(prompts, params, use_tqdm=False)
+    prompts, params, plain = CHOSEN_PROMPTS, CHOSEN_PARAMS, chosen_plain
     fixed = results(spec_llm(target, "draft_model", model, adaptive_k=False), prompts, params)
     runs = {}
     for mode in (True, False):
         llm = spec_llm(target, "draft_model", model, async_scheduling=mode, time_model=lambda k, T: 1 + 0.3 * k)
         runs[mode] = (results(llm, prompts, params), llm.stats()["spec"]["chosen_k"])
-        assert [r[0] for r in runs[mode][0]] == [o.token_ids for o in plain] == [r[0] for r in fixed]
+        assert [r[0] for r in runs[mode][0]] == plain == [r[0] for r in fixed]
     assert runs[True] == runs[False]
     chosen = np.asarray(runs[True][1])
     share, last = chosen / chosen.sum(), llm.engine.k_chooser.current
@@ -148,16 +161,24 @@ def test_chosen_k_follows_acceptance(target, drafters, drafter):  # noqa: F811
 SCHEDULE = [3, 0, 0, 2, 1, 3, 3, 0, 1, 2, 2, 0, 3, 1, 1]
 
 
+EXACT_PROMPTS = [prompt_of(6, 20), prompt_of(11, 21), [5, 6, 7, 8] * 3]
+EXACT_PARAMS = [SamplingParams(temperature=0, max_tokens=20),
+                SamplingParams(temperature=0.7, top_k=8, seed=7, max_tokens=20),
+                SamplingParams(temperature=0, max_tokens=20)]
+
+
+@pytest.fixture(scope="module")
+def exact_plain(target):  # noqa: F811
+    """Plain decoding of the test below's requests, run once for its four cases."""
+    return plain_tokens(target, EXACT_PROMPTS, EXACT_PARAMS)
+
+
 @pytest.mark.parametrize("method,draft_sampling", [("draft_model", "argmax"), ("draft_model", "sample"),
                                                    ("eagle3", "argmax"), ("ngram", "argmax")])
-def test_every_sequence_of_k_is_exact(target, drafters, method, draft_sampling):  # noqa: F811
+def test_every_sequence_of_k_is_exact(target, drafters, exact_plain, method, draft_sampling):  # noqa: F811
     """k forced through every transition (0 after K, K after 0, ...): greedy and seeded tokens equal plain
     decoding (argmax drafts); async equals sync in tokens, drafted and accepted counts and chosen k."""
-    prompts = [prompt_of(6, 20), prompt_of(11, 21), [5, 6, 7, 8] * 3]
-    params = [SamplingParams(temperature=0, max_tokens=20),
-              SamplingParams(temperature=0.7, top_k=8, seed=7, max_tokens=20),
-              SamplingParams(temperature=0, max_tokens=20)]
-    plain = LLM(target, **{**ENGINE, "num_kv_blocks": 40, "warmup": False}).generate(prompts, params, use_tqdm=False)
+    prompts, params = EXACT_PROMPTS, EXACT_PARAMS
     runs = {}
     for mode in (True, False):
         llm = LLM(target, **{**ENGINE, "num_kv_blocks": 40, "warmup": False}, async_scheduling=mode,
@@ -169,7 +190,7 @@ def test_every_sequence_of_k_is_exact(target, drafters, method, draft_sampling):
         assert all(n > 0 for n in runs[mode][1]), runs[mode][1]
         assert llm.stats()["spec"]["accepted_tokens"] > 0
         got = [r[0] for r in runs[mode][0]]
-        want = [o.token_ids for o in plain]
+        want = exact_plain
         if draft_sampling == "argmax":
             assert got == want, f"async={mode}"
         else:   # sampled drafts keep the distribution, not the draws: the greedy rows must match

@@ -118,20 +118,20 @@ def llm_sync(tiny):
 def llm_preempt(tiny):
     """6 blocks x 16 tokens for 8 requests that together need far more: preemption is forced."""
     return LLM(tiny, async_scheduling=True, max_num_seqs=8, max_num_batched_tokens=32,
-               max_model_len=MAX_MODEL_LEN, num_kv_blocks=6)
+               max_model_len=MAX_MODEL_LEN, num_kv_blocks=6, warmup=False)   # compiles the variants it runs
 
 
 @pytest.fixture(scope="module")
 def llm_preempt_sync(tiny):
     """The same tiny pool, scheduled synchronously."""
     return LLM(tiny, async_scheduling=False, max_num_seqs=8, max_num_batched_tokens=32,
-               max_model_len=MAX_MODEL_LEN, num_kv_blocks=6)
+               max_model_len=MAX_MODEL_LEN, num_kv_blocks=6, warmup=False)
 
 
 @pytest.fixture(scope="module")
 def llm_chunked(tiny):
     """A token budget of 8: every prompt longer than 8 is prefilled in chunks."""
-    return LLM(tiny, async_scheduling=True, **{**TINY, "max_num_batched_tokens": 8})
+    return LLM(tiny, async_scheduling=True, **{**TINY, "max_num_batched_tokens": 8}, warmup=False)
 
 
 @pytest.fixture(scope="module")
@@ -317,7 +317,7 @@ def test_eos_is_masked_until_min_tokens(tiny, llm_sync):
     eos = free[0]
     model = dataclasses.replace(tiny, config=dataclasses.replace(tiny.config, eos_token_ids=(eos,)))
     llm = LLM(model, async_scheduling=True, max_num_seqs=2, max_num_batched_tokens=64, max_model_len=MAX_MODEL_LEN,
-              num_kv_blocks=16)
+              num_kv_blocks=16, warmup=False)   # compiles the greedy steps it runs only
     (o,) = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
     assert o.token_ids == [eos] and o.finish_reason == "stop"
     (o,) = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, min_tokens=3), use_tqdm=False)
@@ -637,7 +637,8 @@ TEXTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, the
 
 @pytest.fixture(scope="module")
 def smol(smollm2_model):
-    return LLM(smollm2_model, max_num_seqs=8, max_num_batched_tokens=16, max_model_len=256)
+    return LLM(smollm2_model, max_num_seqs=8, max_num_batched_tokens=16, max_model_len=256,
+               warmup=False)   # greedy only: the sampling steps are never compiled
 
 
 def test_greedy_matches_transformers(smol, smollm2_hf_model):

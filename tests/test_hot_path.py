@@ -49,8 +49,9 @@ def test_no_hidden_device_reads_on_the_hot_path(monkeypatch):
     device slowed down on purpose: planning, building and issuing a step, and processing the previous one,
     never wait for it; only reading the previous step's output does."""
     target = random_model(0, num_layers=2)
-    llm = LLM(target, max_num_seqs=4, max_model_len=64, max_num_batched_tokens=16, block_size=4, num_kv_blocks=12,
-              speculative_config=dict(method="ngram", num_speculative_tokens=2))
+    # one token bucket (8): the variants this workload uses compile once each, on the slowed device
+    llm = LLM(target, max_num_seqs=4, max_model_len=64, max_num_batched_tokens=8, block_size=4, num_kv_blocks=12,
+              speculative_config=dict(method="ngram", num_speculative_tokens=2), warmup=False)
     engine = llm.engine
     delay = slow_device(engine.runner, monkeypatch)
     prompts = [[5, 6, 7, 8] * 5, [9, 10, 11], [12, 13, 14, 15, 16, 17, 18], [20, 21] * 6]
@@ -93,7 +94,7 @@ def test_adding_from_another_thread_never_waits_for_a_step(monkeypatch):
     the loop applies them at its next step. (A client that waited for the engine's lock would wait out a
     step each time, and a loop that takes the lock back at once can starve it for many.)"""
     target = random_model(0, num_layers=2)
-    llm = LLM(target, max_num_seqs=4, max_model_len=96, block_size=4)
+    llm = LLM(target, max_num_seqs=4, max_model_len=96, max_num_batched_tokens=16, block_size=4, warmup=False)
     engine = llm.engine
     llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     delay = slow_device(engine.runner, monkeypatch)

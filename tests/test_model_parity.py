@@ -6,6 +6,7 @@ import dataclasses
 import numpy as np
 import pytest
 
+from conftest import transformers_from_gguf
 from gguf_testing import gguf_from_hf_dir
 from jaxspec.models import load_model
 
@@ -22,13 +23,6 @@ def transformers_logits(model, token_ids) -> np.ndarray:
     import torch
     with torch.no_grad():
         return model(torch.tensor([list(token_ids)])).logits[0].double().numpy()
-
-
-def transformers_from_gguf(path):
-    import torch
-    import transformers
-    return transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                             dtype=torch.float32).eval()
 
 
 @pytest.mark.parametrize("kind", ["llama", "llama3_tied", "llama_sharded", "qwen2", "qwen3"])
@@ -80,11 +74,12 @@ def test_parity_sees_a_small_config_error(tiny_hf_dirs, change):
     assert relative_error(dataclasses.replace(model, config=wrong).score(token_ids), ref) > TOLERANCE
 
 
-def test_smollm2_gguf_matches_transformers(smollm2_gguf_path):
-    model = load_model(smollm2_gguf_path, dtype="float32")
+def test_smollm2_gguf_matches_transformers(smollm2_model, smollm2_hf_model):
+    """conftest's session models: jaxspec's float32 load of the SmolLM2 GGUF and transformers' own."""
+    model = smollm2_model
     token_ids = model.tokenizer.encode("The quick brown fox jumps over the lazy dog because it wanted to see")
     assert 12 <= len(token_ids) <= 20
-    ref = transformers_logits(transformers_from_gguf(smollm2_gguf_path), token_ids)
+    ref = transformers_logits(smollm2_hf_model, token_ids)
     got = model.score(token_ids)
     assert relative_error(got, ref) <= SMOLLM2_TOLERANCE
     assert (got.argmax(-1) == ref.argmax(-1)).all()

@@ -8,7 +8,6 @@ checked against tests/reference.py, written from the published definitions. Ever
 shape configuration, so steps that differ only in their params or in async/sync scheduling hit the persistent
 compilation cache set up in conftest.
 """
-import json
 import math
 
 import jax
@@ -17,12 +16,12 @@ import numpy as np
 import pytest
 
 from conftest import random_model
-from eagle_heads import fit_eagle_head, write_eagle1_head, write_eagle3_head
-from reference import EagleReference, Greedy, greedy_spec_counts, ngram_drafts, target_forward
+from eagle_heads import write_eagle1_head, write_eagle3_head
+from reference import greedy_spec_counts, target_forward
 from jaxspec import LLM, SamplingParams
 from jaxspec.nn import CacheShape, Decoder, ForwardBatch, Ops, schema
 
-VOCAB = 128
+VOCAB = 128   # conftest.SPEC_VOCAB
 # Chunked prefill (8 tokens a step) and a 16-block pool: four long requests do not fit at once.
 ENGINE = dict(dtype="float32", max_num_seqs=4, max_model_len=48, max_num_batched_tokens=8, block_size=4,
               num_kv_blocks=16)
@@ -33,55 +32,45 @@ def prompt_of(length: int, seed: int) -> list[int]:
     return [int(t) for t in np.random.default_rng(seed).integers(0, VOCAB, length)]
 
 
+# The fixtures live in conftest (session-scoped: built and fitted once per worker, for the files that share them).
 @pytest.fixture(scope="module")
-def target():
-    return random_model(0, vocab_size=VOCAB, num_layers=4, attn_gain=0.3)
-
-
-@pytest.fixture(scope="module")
-def drafters(target, tmp_path_factory):
-    """method -> `SpeculativeConfig.model` for that method: a perturbed copy of the target (it agrees with
-    the target often but not always), EAGLE heads fitted to the target, nothing for n-gram."""
-    root = tmp_path_factory.mktemp("heads")
-    return {"draft_model": random_model(1, vocab_size=VOCAB, num_layers=4, base=target, noise=0.15),
-            "eagle": fit_eagle_head("eagle", root / "eagle1", target, seed=2, num_layers=2, reg_weight=5.0),
-            "eagle3": fit_eagle_head("eagle3", root / "eagle3", target, seed=3, reg_weight=5.0),
-            "ngram": None}
+def target(spec_target):
+    return spec_target
 
 
 @pytest.fixture(scope="module")
-def references(target, drafters):
-    """The independent dense references: "target" (Greedy: the target's greedy continuations), "heads"
-    ({method: EagleReference}) and "propose" ({method: propose(sequence, k) -> the k greedy drafts the
-    method must hold after `sequence`})."""
-    from safetensors.numpy import load_file
-    from jaxspec.models.config import ModelConfig
-    heads = {}
-    for method in ("eagle", "eagle3"):
-        path = drafters[method]
-        hcfg = ModelConfig.from_hf({"model_type": "llama", **json.loads((path / "config.json").read_text())})
-        heads[method] = EagleReference(method, load_file(str(path / "model.safetensors")), hcfg, target.hf_tensors,
-                                       target.config)
-    draft = drafters["draft_model"]
-    propose = {"draft_model": Greedy(draft.hf_tensors, draft.config).next_tokens,
-               "ngram": lambda seq, k: ngram_drafts(list(seq), k, 2, 4),
-               **{m: h.greedy_drafts for m, h in heads.items()}}
-    return {"target": Greedy(target.hf_tensors, target.config), "heads": heads, "propose": propose}
+def drafters(spec_drafters):
+    """method -> `SpeculativeConfig.model` for that method (conftest's spec_drafters)."""
+    return spec_drafters
+
+
+@pytest.fixture(scope="module")
+def references(spec_references):
+    """The independent dense references (conftest's spec_references)."""
+    return spec_references
 
 
 def make_llm(target, drafters, method, k, *, draft_sampling="argmax", async_scheduling=True, draft=None,
-             **engine):
+             warmup=False, **engine):
+    """An engine that compiles the steps it runs when it first runs them (warmup=True: every bucket and warm
+    variant at start-up, as a server does; what the recompile count checks)."""
     spec = dict(method=method, num_speculative_tokens=k, draft_sampling=draft_sampling)
     if method != "ngram":
         spec["model"] = draft if draft is not None else drafters[method]
-    return LLM(target, **{**ENGINE, **engine}, async_scheduling=async_scheduling, speculative_config=spec)
+    return LLM(target, **{**ENGINE, "warmup": warmup, **engine}, async_scheduling=async_scheduling,
+               speculative_config=spec)
 
 
 def assert_greedy_lossless(model, prompts, outputs):
-    """Every output token is the target's argmax given the tokens before it (up to 1e-5 in logit)."""
+    """Every output token is the target's argmax given the tokens before it (up to 1e-5 in logit). (Each
+    sequence is scored zero-padded to a multiple of 64 tokens: the attention is causal, so the padding changes
+    no logit of the sequence, and one compilation scores many lengths.)"""
+    decoder = Decoder(model.config)
     for prompt, out in zip(prompts, outputs):
         ids = np.array(prompt + list(out.token_ids), np.int32)
-        logits = np.asarray(Decoder(model.config).score(model.params, ids))            # [n, V]
+        padded = np.zeros(-(-len(ids) // 64) * 64, np.int32)
+        padded[:len(ids)] = ids
+        logits = np.asarray(decoder.score(model.params, padded))[:len(ids)]          # [n, V]
         rows = np.arange(len(prompt) - 1, len(ids) - 1)
         gap = logits[rows].max(axis=-1) - logits[rows, ids[len(prompt):]]
         assert np.all(gap <= 1e-5), f"non-argmax tokens at output positions {np.nonzero(gap > 1e-5)[0].tolist()}"
@@ -102,7 +91,7 @@ def assert_partial_acceptance(spec: dict, positions: int):
 @pytest.mark.parametrize("method", METHODS)
 def test_lossless_greedy_with_chunked_prefill_and_preemption(target, drafters, method, k):
     prompts = [prompt_of(n, seed) for seed, n in enumerate([3, 9, 15, 20])]
-    llm = make_llm(target, drafters, method, k)
+    llm = make_llm(target, drafters, method, k, warmup=True)
     outs = run(llm, prompts, SamplingParams(temperature=0, max_tokens=24))
     assert [len(o.token_ids) for o in outs] == [24] * 4
     assert_greedy_lossless(target, prompts, outs)
@@ -242,10 +231,11 @@ def engine_head_pair_logits(target, drafter, dparams, ids):
 def test_eagle_head_logits_match_the_published_forward(target, drafters, references, method):
     """The engine's head (loaded from the HF layout) gives the logits of the published EAGLE forward, written
     independently in tests/reference.py, on every pair of a sequence (float32, to rounding)."""
-    llm = make_llm(target, drafters, method, 3)
-    engine = llm.engine
+    from jaxspec.spec import SpeculativeConfig, build_drafter
+    drafter, drafter_params = build_drafter(SpeculativeConfig(method, model=str(drafters[method]),
+                                                              num_speculative_tokens=3), target)   # as the engine
     ids = prompt_of(8, 60) + references["target"].next_tokens(prompt_of(8, 60), 24)
-    got = np.asarray(engine_head_pair_logits(target, engine.runner.drafter, engine.runner.drafter_params, ids))
+    got = np.asarray(engine_head_pair_logits(target, drafter, drafter_params, ids))
     ref = np.asarray(references["heads"][method].pair_logits(jnp.asarray(ids)))
     finite = np.isfinite(ref)
     assert (np.isfinite(got) == finite).all()     # EAGLE-3: the same draft vocabulary
@@ -345,31 +335,46 @@ def chi2_rejects(counts: dict, probs: dict, n: int) -> bool:
 
 
 SAMPLED_CASES = [(m, ds) for m in ("draft_model", "eagle", "eagle3") for ds in ("argmax", "sample")] + [("ngram", "argmax")]
+DIST_ENGINE = dict(ENGINE, max_num_seqs=64, max_num_batched_tokens=64, num_kv_blocks=64 * 5, warmup=False)
+
+
+@pytest.fixture(scope="module")
+def dist_reference(target, references):
+    """What every case of the test below compares with, computed once: the prompt and the seeded params, the
+    target's exact joint distribution (exact_joint) and, on first use, plain decoding's tokens (no
+    speculation) with the same seeds."""
+    # a prompt whose continuation the target repeats (the n-gram drafter finds it in the history)
+    prompt = [9, 41, 77, 3] + references["target"].next_tokens([9, 41, 77, 3], 4)
+    prompt = prompt + prompt[:4]
+    params = [SamplingParams(temperature=DIST_TEMPERATURE, top_k=DIST_TOP_K, seed=i, max_tokens=DIST_TOKENS,
+                             ignore_eos=True) for i in range(DIST_SAMPLES)]
+    cache = {}
+
+    def plain():
+        if "plain" not in cache:
+            outs = LLM(target, **DIST_ENGINE).generate([prompt] * DIST_SAMPLES, params, use_tqdm=False)
+            cache["plain"] = [tuple(o.token_ids) for o in outs]
+        return cache["plain"]
+    return dict(prompt=prompt, params=params, probs=exact_joint(target, prompt), plain=plain)
 
 
 @pytest.mark.parametrize("method,draft_sampling", SAMPLED_CASES)
-def test_sampled_speculation_keeps_the_target_distribution(target, drafters, references, method, draft_sampling):
+def test_sampled_speculation_keeps_the_target_distribution(target, drafters, dist_reference, method, draft_sampling):
     """DIST_SAMPLES seeded requests at temperature 0.8 with top-k 4: the joint distribution of their first
     three tokens (the first is sampled after the prefill, the next two by verifying drafts) is the target's,
     computed exactly. The same samples reject the target's distribution with 0.05 of probability moved
     between two outcomes (the test's power), and drafts were accepted at both draft positions. With argmax
     drafts the tokens are also exactly those of plain decoding with the same seeds."""
     k = 2
-    # a prompt whose continuation the target repeats (the n-gram drafter finds it in the history)
-    prompt = [9, 41, 77, 3] + references["target"].next_tokens([9, 41, 77, 3], 4)
-    prompt = prompt + prompt[:4]
-    params = [SamplingParams(temperature=DIST_TEMPERATURE, top_k=DIST_TOP_K, seed=i, max_tokens=DIST_TOKENS,
-                             ignore_eos=True) for i in range(DIST_SAMPLES)]
-    engine = dict(ENGINE, max_num_seqs=64, max_num_batched_tokens=64, num_kv_blocks=64 * 5, warmup=False)
+    prompt, params, probs = dist_reference["prompt"], dist_reference["params"], dist_reference["probs"]
     spec = dict(method=method, num_speculative_tokens=k, draft_sampling=draft_sampling)
     if method != "ngram":
         spec["model"] = drafters[method]
-    llm = LLM(target, **engine, speculative_config=spec)
+    llm = LLM(target, **DIST_ENGINE, speculative_config=spec)
     outs = llm.generate([prompt] * DIST_SAMPLES, params, use_tqdm=False)
     samples = [tuple(o.token_ids) for o in outs]
     stats = llm.stats()["spec"]
     assert_partial_acceptance(stats, k)
-    probs = exact_joint(target, prompt)
     counts = {}
     for s_ in samples:
         counts[s_] = counts.get(s_, 0) + 1
@@ -380,18 +385,25 @@ def test_sampled_speculation_keeps_the_target_distribution(target, drafters, ref
     shifted[ranked[1]] += 0.05
     assert chi2_rejects(counts, shifted, DIST_SAMPLES), "the test cannot see a 0.05 error"
     if draft_sampling == "argmax":
-        plain = LLM(target, **engine).generate([prompt] * DIST_SAMPLES, params, use_tqdm=False)
-        assert [tuple(o.token_ids) for o in plain] == samples
+        assert dist_reference["plain"]() == samples
+
+
+SEEDED_PROMPTS = [prompt_of(n, seed) * 2 for seed, n in zip(range(80, 84), [3, 5, 7, 9])]
+SEEDED_PARAMS = [SamplingParams(temperature=0.7, top_k=8, seed=30 + i, max_tokens=24) for i in range(4)]
+
+
+@pytest.fixture(scope="module")
+def seeded_plain(target):
+    """Plain decoding (no speculation, no preemption) of the test below's seeded requests, run once."""
+    return run(LLM(target, **{**ENGINE, "num_kv_blocks": 64, "warmup": False}), SEEDED_PROMPTS, SEEDED_PARAMS)
 
 
 @pytest.mark.parametrize("method", METHODS)
-def test_seeded_speculation_under_forced_preemption(target, drafters, method):
+def test_seeded_speculation_under_forced_preemption(target, drafters, seeded_plain, method):
     """Seeded sampling with argmax drafts and a pool too small for the batch: requests are preempted and
     re-prefilled mid-run, and every token is still the one plain decoding (no speculation, no preemption)
     draws with the same seed; async and sync alike."""
-    prompts = [prompt_of(n, seed) * 2 for seed, n in zip(range(80, 84), [3, 5, 7, 9])]
-    params = [SamplingParams(temperature=0.7, top_k=8, seed=30 + i, max_tokens=24) for i in range(4)]
-    plain = run(LLM(target, **{**ENGINE, "num_kv_blocks": 64}), prompts, params)
+    prompts, params, plain = SEEDED_PROMPTS, SEEDED_PARAMS, seeded_plain
     for mode in (True, False):
         llm = make_llm(target, drafters, method, 3, async_scheduling=mode)
         outs = run(llm, prompts, params)
@@ -468,7 +480,8 @@ def test_unrolled_layers_and_pallas_attention_give_the_same_tokens():
     for gpu_layout in (False, True):
         llm = LLM(target, dtype="float32", max_num_seqs=2, max_model_len=64, max_num_batched_tokens=16,
                   block_size=4, attention="pallas" if gpu_layout else "reference", unroll_layers=gpu_layout,
-                  speculative_config={"method": "draft_model", "model": draft, "num_speculative_tokens": 3})
+                  speculative_config={"method": "draft_model", "model": draft, "num_speculative_tokens": 3},
+                  warmup=False)
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
         runs.append(([o.token_ids for o in outs], [o.metrics["num_accepted_tokens"] for o in outs]))
         assert llm.engine.runner.ops == Ops(attention="pallas" if gpu_layout else "reference", block_size=4,

@@ -11,8 +11,10 @@ from test_prefix_cache import RECURRING
 from test_spec import METHODS, drafters, make_llm, prompt_of, target  # noqa: F401
 from jaxspec import LLM, SamplingParams
 
+# chunked prefill, and a pool too small for the batch: preemption; each engine compiles only the step variant
+# it runs (greedy with logprobs, not the warm-up's greedy and sampling variants)
 TP_ENGINE = dict(dtype="float32", max_num_seqs=4, max_model_len=48, max_num_batched_tokens=8, block_size=4,
-                 num_kv_blocks=14)   # chunked prefill, and a pool too small for the batch: preemption
+                 num_kv_blocks=14, warmup=False)
 PROMPTS = [prompt_of(n, 200 + n) for n in (3, 11, 17, 22)]
 
 
