@@ -94,21 +94,21 @@ def _tpot(output) -> float | None:
     return (last - first) / (n - 1)
 
 
-def _has_vision_config(model_path: str) -> bool:
+def _read_config(model_path: str) -> dict:
+    """The model directory's config.json ({} where there is none: a GGUF file, a hub name)."""
     try:
         with open(os.path.join(model_path, "config.json")) as f:
-            return isinstance(json.load(f).get("vision_config"), dict)
+            return json.load(f)
     except (OSError, ValueError):
-        return False
+        return {}
 
 
-def _has_linear_attention(model_path: str) -> bool:
+def _has_vision_config(config: dict) -> bool:
+    return isinstance(config.get("vision_config"), dict)
+
+
+def _has_linear_attention(config: dict) -> bool:
     """A hybrid checkpoint (Qwen3-Next, Qwen3.5): some of its layers are Gated DeltaNet."""
-    try:
-        with open(os.path.join(model_path, "config.json")) as f:
-            config = json.load(f)
-    except (OSError, ValueError):
-        return False
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
     return "linear_attention" in (text.get("layer_types") or [])
 
@@ -134,11 +134,12 @@ def _child(request_path: str, result_path: str):
         kwargs["structured_outputs_config"] = {"backend": "xgrammar", "disable_any_whitespace": True}
     if r["random_weights"]:
         kwargs["load_format"] = "dummy"
-    if _has_vision_config(r["model"]):
+    config = _read_config(r["model"])
+    if _has_vision_config(config):
         # a vision-language checkpoint (Qwen3.5) serving token ids: no vision tower, no image-processor profiling
         # (which needs processor files that a config-only directory lacks)
         kwargs["language_model_only"] = True
-    if _has_linear_attention(r["model"]) and importlib.util.find_spec("flashinfer") is None:
+    if _has_linear_attention(config) and importlib.util.find_spec("flashinfer") is None:
         # vLLM's default Gated DeltaNet prefill kernel on Hopper is FlashInfer's; without FlashInfer installed it
         # fails at the first prefill, so take vLLM's other kernel (Triton, from flash-linear-attention)
         kwargs["gdn_prefill_backend"] = "triton"

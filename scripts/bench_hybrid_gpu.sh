@@ -45,14 +45,14 @@ DTYPE=bfloat16; [ "$STAGE" = cpu ] && DTYPE=float32
 BENCH="$PY -m jaxspec.bench --model $CFG --random-weights --dtype $DTYPE --dataset random --input-len $IN
   --output-len $OUTLEN --max-model-len $MML --max-num-batched-tokens $MNBT --quiet"
 prompts() { local n=$(($1 * 2)); [ $n -lt 4 ] && n=4; echo $n; }   # 2 waves of requests per batch size
+vocab() { $PY -c "import json,sys; c=json.load(open(sys.argv[1]+'/config.json')); print(c.get('text_config', c)['vocab_size'])" $CFG; }
 run() { local name=$1 t0=$SECONDS rc; shift; "$@"; rc=$?; echo "WALL $name $((SECONDS - t0)) s rc=$rc"; }
 
 case $STAGE in
 jax|cpu)
   # the workload: random prompts over the config's vocabulary (the first 2 x batch of them run at each batch size)
-  VOCAB=$($PY -c "import json,sys; c=json.load(open(sys.argv[1]+'/config.json')); print(c.get('text_config', c)['vocab_size'])" $CFG)
   $PY -c "import json,sys,numpy as np; r=np.random.default_rng(0); json.dump({'sessions': [[[r.integers(0, int(sys.argv[1]), int(sys.argv[2])).tolist(), int(sys.argv[3])]] for _ in range(64)]}, open(sys.argv[4], 'w'))" \
-    $VOCAB $IN $OUTLEN $OUT_DIR/random_prompts.json
+    $(vocab) $IN $OUTLEN $OUT_DIR/random_prompts.json
   # plain and MTP k=1..3 on one loaded target, each method one engine driven at every batch size
   NP=""; for b in $BATCHES; do NP="$NP $(prompts $b)"; done
   run plain_and_mtp $PY scripts/bench_spec_gpu.py --random-weights --model $CFG --dtype $DTYPE --method none \
@@ -67,13 +67,11 @@ jax|cpu)
     --k 3 --json $OUT_DIR/hy_delta_rule.json
   ;;
 vllm)   # vLLM alone on the same prompts (the first 2 x batch of the same generator's draws)
-  VOCAB=$($PY -c "import json,sys; c=json.load(open(sys.argv[1]+'/config.json')); print(c.get('text_config', c)['vocab_size'])" $CFG)
-  run vllm_plain $PY scripts/vllm_random_prompts.py $CFG $OUT_DIR/hy_vllm_plain.json $VOCAB 1,8,32
+  run vllm_plain $PY scripts/vllm_random_prompts.py $CFG $OUT_DIR/hy_vllm_plain.json $(vocab) 1,8,32
   ;;
 vllm-mtp)
-  VOCAB=$($PY -c "import json,sys; c=json.load(open(sys.argv[1]+'/config.json')); print(c.get('text_config', c)['vocab_size'])" $CFG)
   for k in 1 3 2; do
-    run vllm_mtp$k $PY scripts/vllm_random_prompts.py $CFG $OUT_DIR/hy_vllm_mtp$k.json $VOCAB 32,1 mtp=$k
+    run vllm_mtp$k $PY scripts/vllm_random_prompts.py $CFG $OUT_DIR/hy_vllm_mtp$k.json $(vocab) 32,1 mtp=$k
   done
   ;;
 *) echo "unknown stage $STAGE (jax, vllm, vllm-mtp, cpu)"; exit 2 ;;

@@ -437,20 +437,20 @@ class Engine:
                          first: list[int]) -> np.ndarray:
         """[n, len(STEP_INT_ROWS)]: the step's own row values. Whole columns as decode rows have them (the
         device's own start, drafts = the rest of the row, sampling, no grammar); then rows that differ
-        (prefill rows, constrained ones) one by one."""
+        (prefill rows, constrained ones) one by one. Named by column: a new STEP_INT_ROWS field is a KeyError
+        here until it is given its value."""
+        decode_rows = {"slot": slots, "num_new": counts, "start": -1, "num_drafts": counts - 1,
+                       "first_token": first[:-1], "sample": 1, "new_slot": 0, "grammar_base": -1, "grammar_init": -1}
         values = np.empty((len(rows), len(STEP_INT_ROWS)), np.int32)
-        values[:, 0] = slots
-        values[:, 1] = counts
-        values[:, 2] = -1
-        values[:, 3] = counts - 1
-        values[:, 4] = first[:-1]
-        values[:, 5] = 1
-        values[:, 6] = 0
-        values[:, 7:] = -1
+        for i, name in enumerate(STEP_INT_ROWS):
+            values[:, i] = decode_rows[name]
         for r, row in enumerate(rows):
             if row.start >= 0 or row.request.grammar is not None:
-                values[r] = (slots[r], row.num_new, row.start, row.num_drafts, first[r], row.sample, row.new_slot,
-                             *self._grammar_row(row))
+                base, init = self._grammar_row(row)
+                own = {"slot": slots[r], "num_new": row.num_new, "start": row.start, "num_drafts": row.num_drafts,
+                       "first_token": first[r], "sample": row.sample, "new_slot": row.new_slot,
+                       "grammar_base": base, "grammar_init": init}
+                values[r] = [own[name] for name in STEP_INT_ROWS]
         return values
 
     def _grammar_row(self, row: ScheduledRow) -> tuple[int, int]:
