@@ -111,7 +111,8 @@ class HostReference:
             if known is index:
                 return edges, can_end
         edges = index.get_transitions()
-        can_end = {s for s, out in edges.items() if self.end in out}
+        finals = set(index.get_final_states())
+        can_end = {s for s, out in edges.items() if out.get(self.end) in finals}
         while True:   # states that reach one that can end
             more = {s for s, out in edges.items() if s not in can_end and set(out.values()) & can_end}
             if not more:
@@ -123,7 +124,8 @@ class HostReference:
     def allowed(self, index, state) -> list[int]:
         edges, can_end = self.graph(index)
         tokens = {t for t in index.get_allowed_tokens(state) if edges[state][t] in can_end}
-        return sorted((tokens - self.eos - {self.end}) | (self.eos if self.end in edges[state] else set()))
+        ends = edges[state].get(self.end) in set(index.get_final_states())
+        return sorted((tokens - self.eos - {self.end}) | (self.eos if ends else set()))
 
     def greedy(self, so, prompt, max_tokens: int) -> list[int]:
         index = self.index(so)
@@ -181,13 +183,15 @@ def test_constrained_greedy_is_the_host_reference_and_drafts_stay_inside(target,
 
 
 def mixed_batch():
-    """Constrained and unconstrained requests, greedy and seeded, three constraints: one batch."""
+    """Constrained and unconstrained requests, greedy and seeded, three constraints, a min_tokens that the grammar
+    overrides: one batch."""
     prompts = [prompt_of(n, 20 + i) for i, n in enumerate([6, 11, 4, 8, 7, 5])]
     params = [SamplingParams(temperature=0, max_tokens=60, structured_outputs=JSON),
               SamplingParams(temperature=0.8, seed=1, max_tokens=60, structured_outputs=JSON),
               SamplingParams(temperature=0, max_tokens=40, structured_outputs=REGEX),
               SamplingParams(temperature=1.0, seed=2, max_tokens=40, structured_outputs=REGEX),
-              SamplingParams(temperature=1.0, seed=3, max_tokens=10, structured_outputs=CHOICE),
+              # min_tokens past every choice's length: where the grammar allows only EOS, the grammar wins
+              SamplingParams(temperature=1.0, seed=3, max_tokens=10, min_tokens=8, structured_outputs=CHOICE),
               SamplingParams(temperature=0.8, seed=4, max_tokens=60, ignore_eos=True)]
     return prompts, params
 
@@ -332,6 +336,9 @@ def test_automaton_walks_and_the_table_grows_only_when_it_must(compiler, tokeniz
     assert set(a.allowed(a.walk(ids("maybe")))) == {2}     # a whole choice that nothing extends: EOS only
     assert 2 in a.allowed(a.walk(ids("yes"))) and byte_token[b" "] in a.allowed(a.walk(ids("yes")))
     assert 2 not in a.allowed(a.initial) and a.walk(ids("yes no")) == -1
+    inside = compiler.compile(JSON)
+    string = inside.walk(ids('{"name":"ab'))      # END's character is a string character too: not an end here
+    assert string >= 0 and 2 not in inside.allowed(string) and inside.token.max() < VOCAB
     any_object = compiler.compile(StructuredOutputsParams(json_object=True))
     assert 2 in any_object.allowed(any_object.walk(ids('{"a": [1.5, null], "b": {"c": "d"}}')))
     for text in ('{"a": {"b": {"c": 1}}}', '{"a": [{"b": 1}]}', "[1]"):   # nested too deep; not an object
@@ -342,10 +349,42 @@ def test_automaton_walks_and_the_table_grows_only_when_it_must(compiler, tokeniz
     tables.acquire(b)
     assert (tables.base(a), tables.base(b)) == (0, a.num_states) and tables.growths == 0
     tables.release(a)
-    tables.acquire(c)     # the JSON automaton's states are wider: one growth; `a`, unused, is dropped
-    assert tables.growths == 1 and tables.stats()["automata"] == 2 and tables.base(b) == 0
+    tables.acquire(c)     # it fits after `b`: `a`, unused, keeps its place
+    assert tables.growths == 0 and tables.base(c) == a.num_states + b.num_states
+    tables.acquire(any_object)   # more states and wide ones than the table holds: `a` dropped, then one growth
+    assert tables.growths == 1 and tables.stats()["automata"] == 3 and tables.base(b) == 0
+    assert tables.num_bitmap_rows == 1 + sum(int((x.count > tables.dense_above).sum()) for x in (b, c, any_object))
     table = tables.device_table()
-    assert table.width >= int(c.count.max()) and table is tables.device_table()   # no upload without a change
+    assert table.search_width >= int(c.count.max()) and table is tables.device_table()   # no upload without a change
     states, edges = np.asarray(table.states), np.asarray(table.edges)
     s = tables.base(c) + c.initial
     assert edges[states[s, 0]:states[s, 0] + states[s, 1], 0].tolist() == c.allowed(c.initial).tolist()
+
+
+def test_the_device_table_masks_and_advances_as_each_automaton(compiler):
+    """Every state of three automata laid out in one table: the device's mask (bitmap rows for the wide states,
+    scattered edges for the narrow ones) is the state's allowed tokens, and its search finds the next state of
+    every allowed token and -1 for tokens the state does not allow; unconstrained rows allow everything."""
+    from jaxspec.decode import grammar
+    tables = GrammarTables(VOCAB)
+    automata = [compiler.compile(so) for so in (JSON, REGEX, CHOICE)]
+    for a in automata:
+        tables.acquire(a)
+    table = tables.device_table()
+    assert 1 < tables.num_bitmap_rows < sum(a.num_states for a in automata) + 1   # both kinds of state
+    mask_of = jax.jit(lambda base, state: grammar.allowed_tokens(table, base, state, VOCAB))
+    advance = jax.jit(lambda base, state, token: grammar.advance(table, base, state, token))
+    rng = np.random.default_rng(0)
+    for a in automata:
+        states = np.arange(a.num_states, dtype=np.int32)
+        base = np.full_like(states, tables.base(a))
+        mask = np.asarray(mask_of(base, states))
+        for s in states:
+            assert np.flatnonzero(mask[s]).tolist() == a.allowed(s).tolist(), s
+        rows = [(s, int(t)) for s in states for t in a.allowed(s)]                   # every edge
+        rows += [(int(s), int(t)) for s, t in zip(rng.integers(0, a.num_states, 2000), rng.integers(0, VOCAB, 2000))]
+        s, t = (np.array(x, np.int32) for x in zip(*rows))
+        got = np.asarray(advance(np.full_like(s, tables.base(a)), s, t))
+        assert got.tolist() == [a.next(int(si), int(ti)) for si, ti in zip(s, t)]
+    free = np.array([-1, 0], np.int32), np.array([3, -1], np.int32)                  # no automaton; no state
+    assert np.asarray(mask_of(*free)).all() and np.asarray(advance(*free, np.array([5, 5], np.int32))).tolist() == [-1, -1]

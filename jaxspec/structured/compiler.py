@@ -10,7 +10,8 @@ same state): EOS is allowed exactly when the output so far is a whole match.
 The regex is compiled followed by END, a character no text holds, whose own token (an id past the model's
 vocabulary) marks where the output may end: outlines-core's DFA keeps no path that continues past a final state
 through non-final ones (`(yes|yes sir)` would lose " sir", `[0-9]+([.][0-9]+)?` its fraction), and with END
-appended the only final states are past END. States with an END edge accept; END edges, the states past them and
+appended the only final states are past END. States whose END edge leads to a final state accept (a
+character class inside the pattern, a JSON string's, can match END too and lead on: no end there); END edges, the states past them and
 every state from which no accepting state can be reached (those a token holding only the first bytes of END leads
 to) are dropped, so every state allows some token.
 
@@ -229,7 +230,10 @@ def automaton_from_index(index, key: tuple, eos_token_ids: tuple[int, ...], end_
     that had an END edge."""
     transitions = index.get_transitions()             # {state: {token: next state}}
     initial = index.get_initial_state()
-    accepting = [s for s, out in transitions.items() if end_token in out]
+    # A state accepts where END leads to a final state. END is a character, so a pattern's character class can
+    # match it too (inside a JSON string): there it leads on inside the pattern, which is not an end.
+    finals = set(index.get_final_states())
+    accepting = [s for s, out in transitions.items() if out.get(end_token) in finals]
     into: dict[int, set] = {}
     for s, out in transitions.items():
         for t, n in out.items():
@@ -248,8 +252,8 @@ def automaton_from_index(index, key: tuple, eos_token_ids: tuple[int, ...], end_
     first, count, tokens, nexts = [], [], [], []
     for s in names:
         out = transitions.get(s, {})
-        edges = {t: number[n] for t, n in out.items() if n in live}
-        if end_token in out:
+        edges = {t: number[n] for t, n in out.items() if n in live and t != end_token}
+        if out.get(end_token) in finals:
             edges.update({t: number[s] for t in eos_token_ids})
         first.append(len(tokens))
         count.append(len(edges))
