@@ -165,6 +165,7 @@ def run_online(backend, sessions: list[list[tuple]], args, label: str) -> dict:
     from jaxspec.bench import output_digest, output_summary
     res.update(output_summary(args, [s.output_tokens for s in sent], [s.text for s in sent],
                               [s.finish_reason for s in sent]))
+    res["output_lens"] = [s.output_tokens for s in sent]     # per request, in session order
     if all(s.token_ids is not None for s in sent):
         res["output_digest"] = output_digest([s.token_ids for s in sent])
     return res

@@ -104,6 +104,9 @@ def main():
                    help="structured outputs (issue #16): each run is made twice, every request constrained to this "
                         "JSON schema (compact JSON), then unconstrained with EOS ignored at the constrained run's "
                         "mean output length: the same prompts and tokens per request, like for like")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="timed runs per (method, workload, concurrency), back to back (with --structured-json: "
+                        "constrained / unconstrained pairs); the summary compares medians")
     p.add_argument("--json", required=True)
     args = p.parse_args()
     num_prompts = args.num_prompts or [max(16, 4 * c) for c in args.concurrency]
@@ -154,7 +157,9 @@ def main():
                   max_num_batched_tokens=args.max_num_batched_tokens, speculative_config=spec,
                   # adaptive k: every width compiled before the clock (on 2026-11-24 a width first picked in the
                   # timed pass compiled there); fixed k: the untimed pass compiles what it uses
-                  warmup=bool(spec and spec["adaptive"]),
+                  # structured: every bucket too (the unconstrained runs met a bucket first in the timed pass
+                  # at batch 8 and 32, on 2026-11-24, whatever the untimed pass ran)
+                  warmup=bool(spec and spec["adaptive"]) or structured is not None,
                   enable_prefix_caching=False, structured_compile_timeout=3600.0)
         engine = llm.engine
         if structured is not None:   # the schema's automaton and the grammar's steps, before any clock starts
@@ -171,20 +176,20 @@ def main():
                 warm_tokens = 48 if spec is not None and spec["adaptive"] else 8
                 run_online(LocalBackend(llm), [[(p, warm_tokens)] for (p, _), in sessions], run_args, "warm")
                 warm_s = time.perf_counter() - t0
-                res = timed_run(llm, sessions, run_args, label, spec, f"{label}/{wname}/b{c}")
-                res.update(workload=wname, concurrency=c, warm_s=warm_s)
-                runs = [res]
-                if structured is not None:   # like for like: unconstrained, as many tokens per request
-                    length = max(2, round(res["output_len"]["mean"]))
-                    plain_args = types.SimpleNamespace(**{**vars(run_args), "structured": None,
-                                                          "structured_report": None, "ignore_eos": True})
-                    # untimed at the timed run's length: with 8 tokens a prefill joining speculative decode rows
-                    # (another bucket) was first met inside the timed run (twice, at batch 8)
-                    run_online(LocalBackend(llm), [[(p, length)] for (p, _), in sessions], plain_args, "warm")
-                    free = timed_run(llm, [[(p, length)] for (p, _), in sessions], plain_args, label, spec,
-                                     f"{label}/{wname}/b{c}/unconstrained")
-                    free.update(workload=wname, concurrency=c, warm_s=0.0)
-                    runs.append(free)
+                runs = []
+                for rep in range(args.repeat):
+                    res = timed_run(llm, sessions, run_args, label, spec, f"{label}/{wname}/b{c}")
+                    res.update(workload=wname, concurrency=c, warm_s=warm_s, repeat=rep)
+                    runs.append(res)
+                    if structured is not None:   # like for like: unconstrained, each request as many tokens
+                        same = [[(p, max(2, n))] for ((p, _),), n in zip(sessions, res["output_lens"])]
+                        plain_args = types.SimpleNamespace(**{**vars(run_args), "structured": None,
+                                                              "structured_report": None, "ignore_eos": True})
+                        if rep == 0:
+                            run_online(LocalBackend(llm), same, plain_args, "warm")
+                        free = timed_run(llm, same, plain_args, label, spec, f"{label}/{wname}/b{c}/unconstrained")
+                        free.update(workload=wname, concurrency=c, warm_s=0.0, repeat=rep)
+                        runs.append(free)
                 for r in runs:
                     results.append(r)
                     acc = (f"  acceptance length {r['spec']['mean_acceptance_length']:.2f} "
@@ -199,12 +204,19 @@ def main():
                     json.dump(results, f, indent=1, default=float)
         del llm, engine
         gc.collect()
-    base = {(r["workload"], r["concurrency"], r["label"].endswith("unconstrained")): r["output_throughput"]
-            for r in results if r["method"] == "none"}
+    median = {}   # label -> the median tokens/s of its repeats
     for r in results:
-        b = base.get((r["workload"], r["concurrency"], r["label"].endswith("unconstrained")))
-        if b and r["method"] != "none":
-            print(f"{r['label']:<32} {r['output_throughput'] / b:.2f}x plain")
+        median.setdefault(r["label"], []).append(r["output_throughput"])
+    median = {k: float(np.median(v)) for k, v in median.items()}
+    for label, tps in median.items():
+        method, rest = label.split("/", 1)
+        plain = median.get(f"none/{rest}")
+        line = f"{label:<44} {tps:8.1f} tok/s (median of {args.repeat})"
+        if plain and method != "none":
+            line += f"  {tps / plain:.3f}x plain"
+        if f"{label}/unconstrained" in median:
+            line += f"  {tps / median[label + '/unconstrained']:.3f}x unconstrained"
+        print(line)
 
 
 if __name__ == "__main__":

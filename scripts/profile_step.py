@@ -1,10 +1,15 @@
 """Times the decode step on the device and breaks one traced step down by kernel.
 
     python3 scripts/profile_step.py --model qwen2.5-coder-1.5b-instruct --batches 1 32 --trace-dir /tmp/trace
+
+`--structured-json SCHEMA --tokenizer DIR` constrains every live row (compact JSON; the grammar's variant of the
+step); `--ngram` profiles the n-gram speculative step. The replayed device step is timed first, from the state
+the prefill leaves, so a constrained row walks through its JSON's states as it would in a run.
 """
 import argparse
 import collections
 import glob
+import json
 import time
 
 import jax
@@ -91,20 +96,36 @@ def main():
     p.add_argument("--attention-splits", type=int, help="paged-attention context splits (default: NUM_SPLITS)")
     p.add_argument("--draft-model", help="profile the speculative step: this draft model's shapes, random")
     p.add_argument("--num-spec-tokens", type=int, default=4)
+    p.add_argument("--ngram", action="store_true", help="profile the n-gram speculative step")
+    p.add_argument("--structured-json", help="every row constrained to this JSON schema (needs --tokenizer)")
+    p.add_argument("--tokenizer", help="a directory with the model's tokenizer files")
     a = p.parse_args()
     if a.attention_splits:
         import jaxspec.pallas.paged_attention as pa
         pa.NUM_SPLITS = a.attention_splits
     model = random_model(a.model, dtype="bfloat16")
+    structured = None
+    if a.structured_json:
+        if not a.tokenizer:
+            raise SystemExit("--structured-json needs --tokenizer DIR (the constraint is compiled over its tokens)")
+        from transformers import AutoTokenizer
+
+        from jaxspec import StructuredOutputsParams
+        from jaxspec.models.tokenizer import Tokenizer
+        model.tokenizer = Tokenizer(AutoTokenizer.from_pretrained(a.tokenizer))
+        with open(a.structured_json) as f:
+            structured = StructuredOutputsParams(json=json.load(f), disable_any_whitespace=True)
     t0 = time.perf_counter()
     spec = None
-    if a.draft_model:
+    if a.draft_model or a.ngram:
         from jaxspec.spec import SpeculativeConfig
-        spec = SpeculativeConfig("draft_model", random_model(a.draft_model, dtype="bfloat16", seed=1),
-                                 a.num_spec_tokens)
-    k = a.num_spec_tokens if a.draft_model else 0
+        spec = (SpeculativeConfig("ngram", None, a.num_spec_tokens) if a.ngram else
+                SpeculativeConfig("draft_model", random_model(a.draft_model, dtype="bfloat16", seed=1),
+                                  a.num_spec_tokens))
+    k = a.num_spec_tokens if spec is not None else 0
     engine = Engine(model, EngineConfig(max_num_seqs=max(a.batches), max_model_len=a.max_model_len,
-                                        max_num_batched_tokens=256, warmup=False), spec)
+                                        max_num_batched_tokens=256, warmup=False,
+                                        structured_compile_timeout=3600.0), spec)
     runner = engine.runner
     print(f"argument buffers per step: {runner.argument_buffers()}")
     rows = []
@@ -113,10 +134,31 @@ def main():
         rng = np.random.default_rng(b)
         reqs = [engine.add_request(rng.integers(0, 1000, a.context).tolist(),
                                    SamplingParams(temperature=0, max_tokens=a.max_model_len - a.context - 2,
-                                                  ignore_eos=True)) for _ in range(b)]
+                                                  ignore_eos=True, structured_outputs=structured))
+                for _ in range(b)]
         # Early rows decode while later ones prefill: they get the room max_model_len leaves.
         while any(r.status.value == "waiting" or r.prefilling for r in reqs):
             engine.step()
+        for _ in range(3):   # decode steps: the bucket the replay runs
+            engine.step()
+        engine.flush()
+        step_s = device_step_time(engine, b * (1 + k))
+        T = runner.bucket_for(b * (1 + k))
+        jax.block_until_ready(runner.state.num_tokens)
+        t0 = time.perf_counter()
+        for _ in range(10):
+            out = runner.replay(T)
+        launch_s = (time.perf_counter() - t0) / 10
+        jax.block_until_ready(out["tokens"])
+        print(f"batch {b}: host time to launch one step {1e3 * launch_s:.3f} ms; device step {1e3 * step_s:.3f} ms; "
+              f"{runner.argument_buffers()} argument buffers; {runner.kernels_per_step(T, *runner.last_variant(T))} kernels (compiled HLO)",
+              flush=True)
+        bound = decode_bytes(engine, b, a.context + 8) / 2.98e12
+        rows.append((b, T, 1e3 * step_s, 1e3 * bound))
+        with jax.profiler.trace(f"{a.trace_dir}/b{b}"):
+            for _ in range(5):
+                out = runner.replay(T)
+            jax.block_until_ready(out["tokens"])
         for async_mode in (True, False):   # the engine's own loop: host planning and reading included
             engine.config.async_scheduling = async_mode
             for _ in range(4):
@@ -134,23 +176,6 @@ def main():
             busy_gaps(f"{a.trace_dir}/loop{b}{'a' if async_mode else 's'}")
         engine.config.async_scheduling = True
         print(f"batch {b}: async loop phases (host ms per step): {phase_times(engine)}", flush=True)
-        step_s = device_step_time(engine, b * (1 + k))
-        T = runner.bucket_for(b * (1 + k))
-        jax.block_until_ready(runner.state.num_tokens)
-        t0 = time.perf_counter()
-        for _ in range(10):
-            out = runner.replay(T)
-        launch_s = (time.perf_counter() - t0) / 10
-        jax.block_until_ready(out["tokens"])
-        print(f"batch {b}: host time to launch one step {1e3 * launch_s:.3f} ms; device step {1e3 * step_s:.3f} ms; "
-              f"{runner.argument_buffers()} argument buffers; {runner.kernels_per_step(T)} kernels (compiled HLO)",
-              flush=True)
-        bound = decode_bytes(engine, b, a.context + 8) / 2.98e12
-        rows.append((b, T, 1e3 * step_s, 1e3 * bound))
-        with jax.profiler.trace(f"{a.trace_dir}/b{b}"):
-            for _ in range(5):
-                out = runner.replay(T)
-            jax.block_until_ready(out["tokens"])
         print(f"--- batch {b} (T={T})")
         for r in reqs:
             engine.abort(r.request_id)

@@ -158,12 +158,17 @@ class ModelRunner:
     def num_compiled(self) -> int:
         return sum(f._cache_size() for f in self._steps.values())
 
-    def kernels_per_step(self, T: int, variant: StepVariant = StepVariant()) -> int:
+    def last_variant(self, T: int) -> tuple:
+        """(variant, grammar table or None) of bucket T's last live step."""
+        return self.last_inputs[T][0], self._last_grammar.get(T)
+
+    def kernels_per_step(self, T: int, variant: StepVariant = StepVariant(), grammar_table=None) -> int:
         """Instructions of the compiled step's entry computation that launch work (fusions, custom calls,
         copies, ...; not parameters, constants, bitcasts or tuple plumbing): the kernels one step of bucket T
         runs, from the compiled HLO of this backend."""
         buf = jax.device_put(self.new_inputs(T).pack())
-        text = self.step_fn(T, variant).lower(self.params, self.drafter_params, self.state, buf).compile().as_text()
+        text = self.step_fn(T, variant).lower(self.params, self.drafter_params, self.state, buf,
+                                              *self._grammar_args(variant, grammar_table)).compile().as_text()
         entry = text[text.index("ENTRY"):]
         entry = entry[:entry.index("\n}")]
         plumbing = {"parameter", "constant", "bitcast", "tuple", "get-tuple-element"}

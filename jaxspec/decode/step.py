@@ -195,16 +195,18 @@ def target_distributions(variant: StepVariant, logits, tok: Tokens, inp: DeviceI
     prompt_len = inp.rows["prompt_len"]
     if variant.penalties:
         logits = _penalize(logits, tok.history, tok.slot, prompt_len, tok.base, tok.draft_ids, st, V)
-    if grammar is not None:   # every state allows some token, and the target's logits are finite: no row empties
-        logits = jnp.where(grammar.allowed, logits, -jnp.inf)
     generated = tok.base[:, None] + jnp.arange(K1)[None, :] - prompt_len[:, None]            # [R, K+1]
     too_short = generated < inp.rows["min_tokens"][:, None]
     stop_ok = (inp.stop_ids >= 0) & (inp.stop_ids < V)
     stop_hit = jnp.zeros((R, V), bool).at[jnp.arange(R)[:, None], jnp.where(stop_ok, inp.stop_ids, V)].set(
         True, mode="drop")
     blocked = too_short[..., None] & stop_hit[:, None, :]
-    if grammar is not None:   # a final state may allow only EOS: the grammar wins over min_tokens
-        blocked &= jnp.any(grammar.allowed & ~blocked, axis=-1, keepdims=True)
+    if grammar is not None:
+        # Tokens outside the grammar are masked too, in the same pass over the logits (every state allows some
+        # token and the target's logits are finite, so no row is left empty). A final state may allow only
+        # EOS: there the grammar wins over min_tokens.
+        allowed = grammar.allowed
+        blocked = (blocked & jnp.any(allowed & ~blocked, axis=-1, keepdims=True)) | ~allowed
     logits = jnp.where(blocked, -jnp.inf, logits)
     if not variant.sample:
         return logits

@@ -42,6 +42,7 @@ from jaxspec.structured.table import GrammarTables
 # The step's per-step row ints, in the order `_dispatch` writes them (decode/inputs.py declares them).
 assert STEP_INT_ROWS == ["slot", "num_new", "start", "num_drafts", "first_token", "sample", "new_slot", "grammar_base",
                          "grammar_init"]
+GRAMMAR_BASE_COLUMN = STEP_INT_ROWS.index("grammar_base")
 
 # Compiled for every bucket at warm-up: greedy rows only, and rows that sample (no top-k/top-p, penalties
 # or logprobs). Other variants compile the first time a step needs them (counted in stats()["recompiles"]).
@@ -445,7 +446,9 @@ class Engine:
         for i, name in enumerate(STEP_INT_ROWS):
             values[:, i] = decode_rows[name]
         for r, row in enumerate(rows):
-            if row.start >= 0 or row.request.grammar is not None:
+            if row.start < 0 and row.request.grammar is not None:   # a constrained decode row: its automaton
+                values[r, GRAMMAR_BASE_COLUMN] = self.grammar_tables.base(row.request.grammar)
+            elif row.start >= 0:
                 base, init = self._grammar_row(row)
                 own = {"slot": slots[r], "num_new": row.num_new, "start": row.start, "num_drafts": row.num_drafts,
                        "first_token": first[r], "sample": row.sample, "new_slot": row.new_slot,
