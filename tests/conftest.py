@@ -213,14 +213,26 @@ def spec_target():
 @pytest.fixture(scope="session")
 def spec_drafters(spec_target, tmp_path_factory):
     """method -> `SpeculativeConfig.model` for that method: a perturbed copy of the target (it agrees with
-    the target often but not always), EAGLE heads fitted to the target, nothing for n-gram."""
+    the target often but not always), EAGLE heads fitted to the target, nothing for n-gram.
+
+    Under xdist the heads are fitted once per run, by the first worker that needs them, into the directory
+    the run's workers share (the parent of their base temp directories, made for this run); the others wait
+    on its lock and read the same files."""
+    import fcntl
     from eagle_heads import fit_eagle_head
     target = spec_target
-    root = tmp_path_factory.mktemp("heads")
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "spec_heads"
+    root.mkdir(parents=True, exist_ok=True)
+    heads = {"eagle": root / "eagle1", "eagle3": root / "eagle3"}
+    with open(root / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (root / "fitted").exists():
+            fit_eagle_head("eagle", heads["eagle"], target, seed=2, num_layers=2, reg_weight=5.0)
+            fit_eagle_head("eagle3", heads["eagle3"], target, seed=3, reg_weight=5.0)
+            (root / "fitted").touch()
     return {"draft_model": random_model(1, vocab_size=SPEC_VOCAB, num_layers=4, base=target, noise=0.15),
-            "eagle": fit_eagle_head("eagle", root / "eagle1", target, seed=2, num_layers=2, reg_weight=5.0),
-            "eagle3": fit_eagle_head("eagle3", root / "eagle3", target, seed=3, reg_weight=5.0),
-            "ngram": None}
+            **heads, "ngram": None}
 
 
 @pytest.fixture(scope="session")
