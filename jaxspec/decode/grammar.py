@@ -37,7 +37,7 @@ def _lookup(table: GrammarTable, base, state):
     return live, row[:, 0], jnp.where(live, row[:, 1], 0), jnp.where(live, row[:, 2], 0)
 
 
-def allowed_words(table: GrammarTable, base, state, vocab_size: int):
+def allowed_words(table: GrammarTable, base, state):
     """u32[N, ceil(V / 32)]: the tokens each row's state allows as bits (token t: bit t % 32 of word t // 32;
     every token for unconstrained rows). A wide state's row is read from the bitmap; a narrow state's few edges
     are added as bits into words (its tokens are distinct, so adding is setting). Kept as words, the mask is
@@ -63,7 +63,7 @@ def unpack(words, vocab_size: int):
 
 def allowed_tokens(table: GrammarTable, base, state, vocab_size: int):
     """bool[N, V]: the tokens each row's state allows (every token for unconstrained rows). base, state i32[N]."""
-    return unpack(allowed_words(table, base, state, vocab_size), vocab_size)
+    return unpack(allowed_words(table, base, state), vocab_size)
 
 
 def _search_strides(search_width: int) -> list[int]:

@@ -133,7 +133,6 @@ class GrammarTables:
         self._edges[e, 1] = a.next_state
         wide = np.flatnonzero(self._wide(a))
         rows = entry.bitmap_base + np.arange(len(wide), dtype=np.int32)
-        self._states[s, 2] = 0
         self._states[entry.base + wide, 2] = rows
         words = self._bitmap.shape[1]
         for state, row in zip(wide, rows):
