@@ -16,7 +16,7 @@ from jaxspec.train import TrainConfig, load_sharegpt, regenerate, render, save_r
 from jaxspec.decode.drafters.eagle import load_eagle_head
 from jaxspec.train.eagle3 import draft_vocabulary, estimated_acceptance_length, init_head, save_head
 
-SEQ_LEN, STEPS = 80, 160
+SEQ_LEN, STEPS = 112, 160
 CONFIG = dict(batch_size=4, draft_vocab_size=1024, ttt_steps=3, warmup_steps=10, learning_rate=3e-3,
               cache_target_outputs=True)
 
@@ -107,20 +107,26 @@ def test_training_lowers_the_loss_and_the_head_is_accepted(target, data, trained
     early, late = np.mean(result.losses[:10]), np.mean(result.losses[-10:])
     assert late < 0.6 * early, (early, late)     # ~0.52 measured (float32 reductions vary with the CPU)
     assert result.accuracies[-10:, 0].mean() > 0.6, result.accuracies[-10:].mean(0)   # ~0.8 measured
-    # the held-out estimate and what the engine measures on held-out prompts (the target's own answers)
-    assert result.held_out["estimated_acceptance_length_k4"] > 1.5, result.held_out
     spec, tokens = acceptance(target, out, prompts)
     base, base_tokens = acceptance(target, untrained, prompts)
     assert base["mean_acceptance_length"] < 1.1, base
-    # ~1.8 and 0.40 / 0.26 / 0.15 per position measured; an untrained head accepts nothing
+    # ~1.73 and 0.38 / 0.21 / 0.15 per position measured; an untrained head accepts nothing
     assert spec["mean_acceptance_length"] > 1.45 and spec["per_position_acceptance"][2] > 0.05, spec
+    # the held-out prompts are the engine's (their answers are the target's own, whole within SEQ_LEN): training's
+    # replay of greedy speculation over them is what the engine measured (equal on this CPU; the per-step
+    # accuracies' product, ~1.84 here, overstates it: chains start after rejections, at hard positions)
+    held = result.held_out
+    assert held["acceptance_length_k4"] == pytest.approx(spec["mean_acceptance_length"], abs=0.02), (held, spec)
+    np.testing.assert_allclose(held["per_position_acceptance_k4"], spec["per_position_acceptance"], atol=0.02)
     # lossless: the same tokens as plain greedy decoding, with a head that drafts well and one that drafts badly
     plain = LLM(target, **ENGINE).generate(
         prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)
     assert tokens == base_tokens == [o.token_ids for o in plain]
-    # async == sync: tokens and counts
+    # async == sync: tokens and counts (not chosen_k, which counts steps: an async step can hold a row whose
+    # request ended at EOS in the step before, so the two schedules may batch prefill chunks differently)
     sync_spec, sync_tokens = acceptance(target, out, prompts, async_scheduling=False)
-    assert sync_tokens == tokens and sync_spec == spec
+    drop = lambda s: {k: v for k, v in s.items() if k != "chosen_k"}   # noqa: E731
+    assert sync_tokens == tokens and drop(sync_spec) == drop(spec)
 
 
 def test_the_head_written_is_the_head_trained(target, trained):
@@ -144,8 +150,30 @@ def test_the_head_written_is_the_head_trained(target, trained):
     assert np.array_equal(np.arange(len(d2t)) + tensors["d2t"], d2t)
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] == len(d2t)
-    assert head.method == "eagle3" and config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == list(
-        head.aux_layers)
+    # no aux layer ids: vLLM (top level, id j = output of layer j-1) and SGLang (eagle_config, id j = output of
+    # layer j) number them differently and both default to the layers the head reads
+    assert head.method == "eagle3" and "eagle_aux_hidden_state_layer_ids" not in json.dumps(config)
+
+
+def test_a_head_naming_other_target_layers_is_refused(target, trained, tmp_path):
+    """Ids in either project's numbering load when they are the engine's layers; others are refused by name."""
+    import shutil
+    out, _, _ = trained
+    head, _ = load_eagle_head(out, target.config, "float32")
+    ours = list(head.aux_layers)
+    config = json.loads((out / "config.json").read_text())
+    for extra, ok in (({"eagle_aux_hidden_state_layer_ids": [i + 1 for i in ours]}, True),
+                      ({"eagle_config": {"eagle_aux_hidden_state_layer_ids": ours}}, True),
+                      ({"eagle_aux_hidden_state_layer_ids": ours}, False),
+                      ({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [i + 1 for i in ours]}}, False)):
+        d = tmp_path / f"head{len(list(tmp_path.iterdir()))}"
+        shutil.copytree(out, d, ignore=shutil.ignore_patterns("checkpoints"))
+        (d / "config.json").write_text(json.dumps({**config, **extra}))
+        if ok:
+            assert load_eagle_head(d, target.config, "float32")[0].aux_layers == head.aux_layers
+        else:
+            with pytest.raises(ValueError, match="names other target layers"):
+                load_eagle_head(d, target.config, "float32")
 
 
 def test_a_resumed_run_continues_the_loss_curve(target, data, tmp_path):

@@ -178,29 +178,60 @@ def unrolled_logits(head: EagleHead, params, embed, ids, aux, num_steps: int, co
 
 def ttt_forward(head: EagleHead, params, embed, ids, aux, teacher, weights, num_steps: int, step_decay: float,
                 counted=None, compute_dtype=jnp.float32):
-    """The training-time test over a batch -> (weighted loss, (per-step loss [J], per-step accuracy [J])).
+    """The training-time test over a batch -> (weighted loss, (per-step loss [J], per-step accuracy [J],
+    hits bool[J, B, T]: chain a's draft j is the target's token a+j+2 and that token is trained)).
     teacher: the target's log-probs over the draft vocabulary [B, T, Vd]; weights [B, T]: 1 where position p's
     prediction (of token p+1) is trained. Accuracy is over `weights` too, or over `counted` when given (every
     assistant position: a draft cannot match where the target's argmax is outside the draft vocabulary, and
     those positions carry weight 0 in `weights`)."""
-    losses, accs, total = [], [], 0.0
+    losses, accs, hit_maps, total = [], [], [], 0.0
     for j, logits in enumerate(unrolled_logits(head, params, embed, ids, aux, num_steps, compute_dtype)):
         t_lp = _shift(teacher, j + 1)                                                     # teacher at a+j+1
         w = _shift(weights, j + 1)
         ce = -jnp.sum(jnp.exp(t_lp) * jax.nn.log_softmax(logits, -1), -1)                 # [B, T]
         n = jnp.maximum(jnp.sum(w), 1.0)
         losses.append(jnp.sum(w * ce) / n)
-        hits = w * (jnp.argmax(logits, -1) == jnp.argmax(t_lp, -1))                       # w = 0 off-vocabulary
+        hit = (w > 0) & (jnp.argmax(logits, -1) == jnp.argmax(t_lp, -1))                  # w = 0 off-vocabulary
+        hit_maps.append(hit)
+        hits = hit.astype(jnp.float32)
         c = w if counted is None else _shift(counted, j + 1)
         accs.append(jnp.sum(hits) / jnp.maximum(jnp.sum(c), 1.0))
         total = total + step_decay ** j * losses[-1]
-    return total, (jnp.stack(losses), jnp.stack(accs))
+    return total, (jnp.stack(losses), jnp.stack(accs), jnp.stack(hit_maps))
 
 
 def loss_weights(mask, in_vocab):
     """Position p's prediction (of token p+1) counts when token p+1 is the assistant's and the target's argmax
     there is a draft-vocabulary token (a draft head cannot propose the others)."""
     return _shift(mask, 1) * in_vocab.astype(jnp.float32)
+
+
+def simulated_acceptance(hits, mask, k: int) -> tuple[float, list[float]]:
+    """Greedy speculative decoding replayed over the held-out answers -> (acceptance length, per-position
+    acceptance), what the engine reports for them. hits bool[J, B, T] (ttt_forward), mask [B, T] (the answer's
+    tokens). Each row starts where the answer does (the first draft chain sits at the position before the first
+    answer token, which the prefill emits); a chain accepts its leading hits, and the next chain starts after
+    the emitted token. With self-distilled answers this is the engine's own run; with other answers it follows
+    the data's tokens, which the target may not have produced.
+
+    The per-step accuracies overstate acceptance: a chain starts right after a rejection, where the next token
+    was hard to draft, more often than an average position is."""
+    hits, mask = np.asarray(hits, bool)[:k], np.asarray(mask) > 0
+    accepted, steps = np.zeros(k), 0
+    for b in range(mask.shape[0]):
+        answer = np.nonzero(mask[b])[0]
+        if len(answer) < 2 or answer[0] == 0:
+            continue
+        a, last = answer[0] - 1, answer[-1]
+        while a + 2 <= last:
+            m = 0
+            while m < k and hits[m, b, a]:
+                m += 1
+            accepted[:m] += 1
+            steps += 1
+            a += m + 1
+    per_position = (accepted / max(steps, 1)).tolist()
+    return 1 + float(sum(per_position)), per_position
 
 
 def estimated_acceptance_length(accuracies, k: int) -> float:
@@ -303,7 +334,7 @@ def train(target, examples: Examples, out_dir, config: TrainConfig = TrainConfig
         weights = loss_weights(mask, in_vocab)
         grad_fn = jax.value_and_grad(lambda p: ttt_forward(head, p, target_params["embed"], ids, aux, teacher,
                                                            weights, J, decay, compute_dtype=cd), has_aux=True)
-        (loss, (_, accs)), grads = grad_fn(params)
+        (loss, (_, accs, _)), grads = grad_fn(params)
         updates, opt_state = optimizer(learning_rate).update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss, accs
 
@@ -312,9 +343,9 @@ def train(target, examples: Examples, out_dir, config: TrainConfig = TrainConfig
         aux, teacher, in_vocab = target_fn(target_params, ids, d2t_dev)
         weights = loss_weights(mask, in_vocab)
         counted = _shift(mask, 1)
-        _, (losses, accs) = ttt_forward(head, params, target_params["embed"], ids, aux, teacher, weights, J, decay,
-                                        counted, compute_dtype=cd)
-        return losses, accs, jnp.sum(counted)
+        _, (losses, accs, hits) = ttt_forward(head, params, target_params["embed"], ids, aux, teacher, weights, J,
+                                              decay, counted, compute_dtype=cd)
+        return losses, accs, jnp.sum(counted), hits
 
     losses, accs = [], []
     t0 = time.perf_counter()
@@ -362,16 +393,19 @@ def train(target, examples: Examples, out_dir, config: TrainConfig = TrainConfig
 
     report = {}
     if held_out is not None and len(held_out):
-        tot_l, tot_a, tot_w = np.zeros(J), np.zeros(J), 0.0
+        tot_l, tot_a, tot_w, hit_maps = np.zeros(J), np.zeros(J), 0.0, []
         for i in range(0, len(held_out), config.batch_size):
             ids, mask = held_out.ids[i:i + config.batch_size], held_out.mask[i:i + config.batch_size]
             pad = config.batch_size - len(ids)
             if pad:   # one compiled shape: padded examples have no weight
                 ids, mask = np.pad(ids, ((0, pad), (0, 0))), np.pad(mask, ((0, pad), (0, 0)))
-            l, a, w = jax.device_get(eval_step(params, target.params, ids, mask))
+            l, a, w, hits = jax.device_get(eval_step(params, target.params, ids, mask))
             tot_l, tot_a, tot_w = tot_l + l * w, tot_a + a * w, tot_w + float(w)
+            hit_maps.append(hits[:, :len(ids) - pad])
         per_loss, per_acc = tot_l / max(tot_w, 1), tot_a / max(tot_w, 1)
+        length, per_position = simulated_acceptance(np.concatenate(hit_maps, 1), held_out.mask, min(4, J))
         report = {"loss": per_loss.tolist(), "accuracy": per_acc.tolist(), "num_examples": len(held_out),
+                  "acceptance_length_k4": length, "per_position_acceptance_k4": per_position,
                   "estimated_acceptance_length_k4": estimated_acceptance_length(per_acc, 4)}
     save_head(out_dir, head, params, d2t)
     result = TrainResult(out_dir, losses, accs, first_step, report, seconds, len(examples), examples.num_target_tokens)
@@ -416,7 +450,9 @@ def save_head(path, head: EagleHead, params: dict, d2t: np.ndarray) -> Path:
               "num_key_value_heads": c.num_kv_heads, "head_dim": hd, "num_hidden_layers": 1,
               "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta, "vocab_size": tc.vocab_size,
               "draft_vocab_size": len(d2t), "max_position_embeddings": 32768, "tie_word_embeddings": False,
-              "torch_dtype": "float32", "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(head.aux_layers)}}
+              "torch_dtype": "float32"}
+    # No eagle_aux_hidden_state_layer_ids: vLLM reads those ids as "the output of layer id-1" and SGLang as "the
+    # output of layer id", so any value is wrong in one of them; both default to the layers this head reads.
     if c.rope_scaling_dict:
         config["rope_scaling"] = c.rope_scaling_dict
     tmp = path / "model.safetensors.tmp"

@@ -137,6 +137,20 @@ def _draft_to_target(tensors, draft_vocab: int, vocab_size: int) -> np.ndarray:
     return target_ids.astype(np.int32)
 
 
+def _check_aux_layers(hf: dict, head: EagleHead):
+    """A head config may name the target layers it reads: top level in vLLM's numbering (id j: the output of
+    layer j-1), under "eagle_config" in SGLang / SpecForge's (id j: the output of layer j). The engine reads
+    the default layers only (outputs of 1, L//2-1 and L-4), which both projects use when no ids are given."""
+    ours = list(head.aux_layers)
+    for ids, offset, where in ((hf.get("eagle_aux_hidden_state_layer_ids"), 1, "eagle_aux_hidden_state_layer_ids"),
+                               ((hf.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids"), 0,
+                                "eagle_config.eagle_aux_hidden_state_layer_ids")):
+        if ids and [int(i) - offset for i in ids] != ours:
+            raise ValueError(f"the EAGLE-3 head's {where}={list(ids)} names other target layers than the ones "
+                             f"jaxspec feeds it (the outputs of layers {ours}, i.e. {where}="
+                             f"{[i + offset for i in ours]}); heads trained on other layers are not supported")
+
+
 def load_eagle_head(path, target_config, dtype) -> tuple[EagleHead, dict]:
     """(EagleHead, its declared params) from a head directory in the published layout (EAGLE-1: fc [+ bias],
     layers.{i}.*, optional norm; EAGLE-3: fc, midlayer.* with hidden_norm, norm, lm_head, d2t)."""
@@ -155,6 +169,8 @@ def load_eagle_head(path, target_config, dtype) -> tuple[EagleHead, dict]:
     head = EagleHead("eagle3" if eagle3 else "eagle", config, tc, fc_bias="fc.bias" in tensors,
                      final_norm="norm.weight" in tensors and not eagle3,
                      draft_vocab_size=int(hf.get("draft_vocab_size", config.vocab_size)) if eagle3 else 0)
+    if eagle3:
+        _check_aux_layers(hf, head)
     schema = head.param_schema()
     np_dtype = np.dtype(dtype)
     get = tensors.get_tensor
