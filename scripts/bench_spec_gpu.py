@@ -1,8 +1,8 @@
 """Speculative decoding with real weights, several drafters against plain decoding, at several batch sizes, with
 the target loaded once (issue #12's measurement). Each method gets one engine (max_num_seqs = the largest
 concurrency, so every batch size runs the same compiled steps); each workload is then driven at each concurrency
-by clients that keep that many requests in flight (bench_online), after an untimed pass that compiles what
-the timed one will use.
+by clients that keep that many requests in flight (bench_online), after every step is compiled (the engine's
+warm-up) and a short untimed pass.
 
     python3 scripts/bench_spec_gpu.py --model /tmp/models/Qwen2.5-Coder-1.5B-Instruct.Q4_K_M.gguf \\
         --method none --method eagle3=/tmp/head --method ngram --method eagle3-adaptive=/tmp/head \\
@@ -155,11 +155,10 @@ def main():
         t0 = time.perf_counter()
         llm = LLM(model, max_num_seqs=max(args.concurrency), max_model_len=args.max_model_len,
                   max_num_batched_tokens=args.max_num_batched_tokens, speculative_config=spec,
-                  # adaptive k: every width compiled before the clock (on 2026-11-24 a width first picked in the
-                  # timed pass compiled there); fixed k: the untimed pass compiles what it uses
-                  # structured: every bucket too (the unconstrained runs met a bucket first in the timed pass
-                  # at batch 8 and 32, on 2026-11-24, whatever the untimed pass ran)
-                  warmup=bool(spec and spec["adaptive"]) or structured is not None,
+                  # every bucket (and every width of adaptive k) compiled before the clock: a short untimed pass
+                  # does not meet every bucket the timed one does (on 2026-11-24 plain and n-gram runs at batch 8
+                  # compiled 1-2 steps inside their timed pass, adaptive widths and structured runs too)
+                  warmup=True,
                   enable_prefix_caching=False, structured_compile_timeout=3600.0)
         engine = llm.engine
         if structured is not None:   # the schema's automaton and the grammar's steps, before any clock starts
@@ -171,7 +170,7 @@ def main():
                 run_args = types.SimpleNamespace(temperature=0.0, ignore_eos=args.ignore_eos, seed=0,
                                                  request_rate=float("inf"), max_concurrency=c, quiet=True,
                                                  structured=structured, structured_report=structured_report)
-                t0 = time.perf_counter()   # untimed: compiles the buckets and variants this pass uses
+                t0 = time.perf_counter()   # untimed: first requests through the engine (and adaptive k's step times)
                 # adaptive k compiles a width the first time it picks it: give it steps to pick them in
                 warm_tokens = 48 if spec is not None and spec["adaptive"] else 8
                 run_online(LocalBackend(llm), [[(p, warm_tokens)] for (p, _), in sessions], run_args, "warm")
