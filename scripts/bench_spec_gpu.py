@@ -171,7 +171,7 @@ def main():
                                                  request_rate=float("inf"), max_concurrency=c, quiet=True,
                                                  structured=structured, structured_report=structured_report)
                 t0 = time.perf_counter()   # untimed: first requests through the engine (and adaptive k's step times)
-                # adaptive k compiles a width the first time it picks it: give it steps to pick them in
+                # adaptive k picks its widths from measured step times: give it steps to time them in
                 warm_tokens = 48 if spec is not None and spec["adaptive"] else 8
                 run_online(LocalBackend(llm), [[(p, warm_tokens)] for (p, _), in sessions], run_args, "warm")
                 warm_s = time.perf_counter() - t0
