@@ -44,6 +44,22 @@ def kernel_breakdown(trace_dir: str, steps: int, top: int = 25):
         print(f"  {ns / steps / 1e3:9.1f} us  {100 * ns / max(total, 1):5.1f}%  {name[:110]}")
 
 
+def kernel_sequence(trace_dir: str, count: int):
+    """The first `count` kernels of the traced window in launch order, each with its duration: one layer's
+    kernels read in order (which matmul, norm, rotary or copy comes where)."""
+    from jax.profiler import ProfileData
+    path = sorted(glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True))[-1]
+    evs = []
+    for plane in ProfileData.from_file(path).planes:
+        if "GPU" in plane.name:
+            for line in plane.lines:
+                if "Stream" in line.name or "Kernel" in line.name:
+                    evs += [(ev.start_ns, ev.duration_ns, ev.name) for ev in line.events]
+    evs.sort()
+    for start, dur, name in evs[:count]:
+        print(f"  at {(start - evs[0][0]) / 1e3:8.2f} us  {dur / 1e3:7.2f} us  {name[:110]}")
+
+
 def busy_gaps(trace_dir: str, top: int = 6):
     """GPU busy fraction of a traced window (union of kernel intervals over first start to last end) and
     the largest idle gaps, each with the kernels on either side."""
@@ -99,6 +115,8 @@ def main():
     p.add_argument("--ngram", action="store_true", help="profile the n-gram speculative step")
     p.add_argument("--structured-json", help="every row constrained to this JSON schema (needs --tokenizer)")
     p.add_argument("--tokenizer", help="a directory with the model's tokenizer files")
+    p.add_argument("--hlo-dir", help="write each batch's compiled step (optimized HLO text) here")
+    p.add_argument("--sequence", type=int, default=0, help="print the first N kernels of a traced step in order")
     a = p.parse_args()
     if a.attention_splits:
         import jaxspec.pallas.paged_attention as pa
@@ -181,6 +199,17 @@ def main():
             engine.abort(r.request_id)
         while engine.has_unfinished():
             engine.step()
+        if a.hlo_dir:
+            import os
+            os.makedirs(a.hlo_dir, exist_ok=True)
+            buf = jax.device_put(runner.new_inputs(T).pack())
+            variant = runner.last_variant(T)
+            text = runner.step_fn(T, variant[0]).lower(runner.params, runner.drafter_params, runner.state, buf,
+                                                       *runner._grammar_args(*variant)).compile().as_text()
+            with open(f"{a.hlo_dir}/step_b{b}_T{T}.hlo", "w") as f:
+                f.write(text)
+        if a.sequence:
+            kernel_sequence(f"{a.trace_dir}/b{b}", a.sequence)
         try:
             kernel_breakdown(f"{a.trace_dir}/b{b}", 5)
         except Exception as e:  # noqa: BLE001 - the timing table below still stands

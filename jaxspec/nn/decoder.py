@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from jaxspec.nn.layers import LAYER_KINDS, CacheShape, per_slot_fields
 from jaxspec.nn.ops import ForwardBatch, Ops, rms_norm
 from jaxspec.nn.schema import Spec, initialize
+from jaxspec.pallas.gemv import LayerWeights
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +84,7 @@ class Decoder:
             kind, lp_all, st = LAYER_KINDS[kind_name], params["layers"][kind_name], state[kind_name]
             if ops.unroll or count == 1:
                 for j in range(count):
-                    lp = {name: w[first + j] for name, w in lp_all.items()}
+                    lp = LayerWeights(lp_all, first + j)   # a dict of the layer's slices; kernels read the stacks
                     h, st = kind(c, ops, lp, h, st, first + j, batch)
                     after[g + j] = h
             else:   # scanned: one layer body to compile

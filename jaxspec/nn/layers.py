@@ -123,9 +123,13 @@ def kv_state(c, cache: CacheShape) -> dict[str, Spec]:
 
 def project_qkv(c, lp, x, positions):
     """x [T, Din] (already normed) -> q [T, Hq, hd], k and v [T, Hkv, hd], q and k rotated to `positions`."""
-    T, hd, Hq, Hkv = x.shape[0], c.head_dim, c.num_heads, c.num_kv_heads
+    return split_qkv(c, lp, x @ lp["qkv_proj"].T, positions)
+
+
+def split_qkv(c, lp, qkv, positions):
+    """The q/k/v projection qkv [T, Hkv*(G+2)*hd] -> q [T, Hq, hd], k and v [T, Hkv, hd], q and k rotated."""
+    T, hd, Hq, Hkv = qkv.shape[0], c.head_dim, c.num_heads, c.num_kv_heads
     G = Hq // Hkv
-    qkv = x @ lp["qkv_proj"].T                                                    # [T, Hkv*(G+2)*hd]
     if "qkv_bias" in lp:
         qkv = qkv + lp["qkv_bias"]
     qkv = qkv.reshape(T, Hkv, G + 2, hd)
@@ -174,8 +178,24 @@ class Attention:
         return kv_state(c, cache)
 
     def __call__(self, c, ops, lp, h, state, i, batch):
+        if ops.use_gemv(h.shape[0]):
+            return self.fused(c, ops, lp, h, state, i, batch)
         attn, state = attention(c, ops, lp, rms_norm(h, lp["attn_norm"], c.rms_norm_eps), state, i, batch)
         return mlp(c, lp, h + attn), state
+
+    @staticmethod
+    def fused(c, ops, lp, h, kv, i, batch):
+        """The same layer for decode-sized steps on a GPU, with the matmuls named in `ops.gemv` as gemv kernels
+        (jaxspec.pallas.gemv) that hold the norm before them, the SwiGLU or the residual add after them."""
+        from jaxspec.pallas.gemv import linear
+        eps, kernel = c.rms_norm_eps, ops.gemv
+        qkv = linear(h, lp, "qkv_proj", norm="attn_norm", eps=eps, kernel="qkv_proj" in kernel)  # [T, Hkv*(G+2)*hd]
+        q, k, v = split_qkv(c, lp, qkv, batch.positions)
+        kv = write_kv(kv, i, batch, k, v)
+        out = ops.attend(q, kv["k"], kv["v"], i, batch).astype(h.dtype)                      # [T, Hq*hd]
+        h = linear(out, lp, "o_proj", residual=h, kernel="o_proj" in kernel)                  # h + attention
+        act = linear(h, lp, "gate_up_proj", norm="mlp_norm", eps=eps, kernel="gate_up_proj" in kernel)  # [T, F]
+        return linear(act, lp, "down_proj", residual=h, kernel="down_proj" in kernel), kv      # h + mlp
 
 
 # ---- hybrids: Qwen3-Next and Qwen3.5 (Gated DeltaNet + gated full attention, dense MLP or MoE) ---------------

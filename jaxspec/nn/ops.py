@@ -98,8 +98,26 @@ def dense_causal_attention(q, k_pool, v_pool, layer, batch: ForwardBatch, block_
     return _attend(q.reshape(T, k.shape[1], -1, hd), k, v, mask, 1.0 / math.sqrt(hd))
 
 
+# Steps of at most this many tokens run the matmuls named in `Ops.gemv` as GEMV kernels (measured at 8 and 16).
+GEMV_MAX_TOKENS = 16
+# What JAXSPEC_GEMV may name: a dense layer's matmuls by short name.
+GEMV_MATMULS = {"qkv": "qkv_proj", "o": "o_proj", "gate_up": "gate_up_proj", "down": "down_proj"}
 # Steps of at least this many tokens compile their matmuls to cuBLAS on a GPU (Ops.compiler_options).
 CUBLAS_FROM_TOKENS = 128
+
+
+def gemv_matmuls(spec: str) -> frozenset:
+    """JAXSPEC_GEMV's value -> the weight names whose matmuls run as GEMV kernels: "" none, "all", or a comma list
+    of qkv, o, gate_up, down."""
+    names = [n.strip() for n in spec.split(",") if n.strip()]
+    if names == ["all"]:
+        return frozenset(GEMV_MATMULS.values())
+    bad = [n for n in names if n not in GEMV_MATMULS]
+    if bad:
+        raise ValueError(f"JAXSPEC_GEMV={spec!r}: {bad} are not matmuls; valid: 'all' or a comma list of "
+                         f"{', '.join(GEMV_MATMULS)}")
+    return frozenset(GEMV_MATMULS[n] for n in names)
+
 
 def use_compile_cache(path, min_compile_seconds: float = 1.0) -> bool:
     """Keep compiled steps on disk (JAX's persistent compilation cache), so that the next process that builds
@@ -136,6 +154,14 @@ class Ops:
     cublas_from_tokens: int | None = None
     autotune_cache_dir: str | None = None
     delta_rule: str = "reference"
+    # The dense layer's matmuls (weight names) that steps of at most GEMV_MAX_TOKENS tokens run as
+    # jaxspec.pallas.gemv kernels, the norm, SwiGLU or residual add next to each inside it (one device). On a GPU
+    # down alone by default (JAXSPEC_GEMV): on an H100 it is the one the kernel wins (the 1.5B's step 4% faster);
+    # XLA's GEMMs are faster on q/k/v, o and gate/up, and the whole set is 12% slower (docs/benchmarks.md).
+    gemv: frozenset = frozenset()
+
+    def use_gemv(self, num_tokens: int) -> bool:
+        return bool(self.gemv) and self.tp is None and num_tokens <= GEMV_MAX_TOKENS
 
     def __post_init__(self):
         if self.attention not in ("pallas", "reference", "dense"):
@@ -160,7 +186,8 @@ class Ops:
             use_compile_cache(cache_dir() / "jax-compile")
         return Ops(attention=attention, block_size=block_size, unroll=gpu if unroll is None else unroll, tp=tp,
                    cublas_from_tokens=CUBLAS_FROM_TOKENS if gpu else None, autotune_cache_dir=autotune_cache,
-                   delta_rule=delta_rule)
+                   delta_rule=delta_rule, gemv=gemv_matmuls(os.environ.get("JAXSPEC_GEMV", "down" if gpu else ""))
+                   if tp is None else frozenset())
 
     def compiler_options(self, num_tokens: int) -> dict:
         """XLA options for the compile of a step of `num_tokens` tokens. Measured on an H100 (Qwen2.5-1.5B,

@@ -1,0 +1,219 @@
+"""Matmuls of decode-sized steps (a few tokens against a layer's weight) at the weight-read bandwidth, with the
+small operations around them done in the same kernel:
+
+    y [T, N] = x [T, K] @ W[layer] [N, K].T                         (W stacked [L, N, K], read in place)
+      prologue  x <- rms_norm(x) * norm[layer]                      (the layer's input norm)
+      pairs     W[layer] [F, 2, K] (gate and up rows interleaved):  y [T, F] = silu(x @ gate.T) * (x @ up.T)
+      epilogue  y <- residual + y                                   (the residual add)
+      split K   S programs share one output block, each over K / S: f32 partial sums [S, T, N] the caller adds
+                (the sum fuses into whatever XLA fusion reads them)
+
+With T <= 32 tokens a matmul reads ~2 bytes of weight per 2T flops: the step is as fast as the weight streams.
+Here one program owns a block of BN output columns (and one K split), keeps the x rows in a [R, BK] tile (R = 16
+or 32 rows, the matrix unit's smallest tile, rows past T masked) and walks its K range BK at a time; the loop is
+software-pipelined so several weight tiles are in flight. The norm is folded in as rstd * ((x * g) @ W.T): each
+program sums the row's squares in the same loop and scales its output at the end.
+
+Measured on an H100 (Qwen2.5-Coder-1.5B shapes, docs/benchmarks.md): on down (K = 8960) the kernel with K split 5
+ways reads the weight at 72-74% of the copy bandwidth against XLA's 60-68%, and the engine's step is 4% faster
+with it; on the small q/k/v and o matrices (K = 1536) and on gate/up it is slower than XLA's GEMMs, so the engine
+runs down alone through it by default (Ops.gemv, JAXSPEC_GEMV).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+MAX_ROWS = 32   # tokens the kernel takes; larger steps are matrix-bound and go to XLA's GEMMs
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiling:
+    """block_n output columns (pairs for gate/up) per program, block_k per loop iteration, splits of K, and
+    Triton's warps and pipeline stages."""
+    block_n: int = 32
+    block_k: int = 256
+    splits: int = 1
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+def _rows_tile(T: int) -> int:
+    return 16 if T <= 16 else 32
+
+
+def _kernel(*refs, T: int, K: int, tiling: Tiling, rows: int, eps: float | None, pairs: bool, residual: bool):
+    layer_ref, x_ref, w_ref, *refs = refs
+    norm_ref = refs.pop(0) if eps is not None else None
+    res_ref = refs.pop(0) if residual else None
+    (o_ref,) = refs
+    bn, bk, S = tiling.block_n, tiling.block_k, tiling.splits
+    n, s = pl.program_id(0), pl.program_id(1)
+    layer = layer_ref[0]
+    n0 = n * bn
+    row_ok = jax.lax.broadcasted_iota(jnp.int32, (rows, bk), 0) < T
+
+    dims = (((1,), (1,)), ((), ()))
+    # float32 weights get float32 products (Triton's default for them is TF32); bf16 is exact in either.
+    dot = functools.partial(jax.lax.dot_general, dimension_numbers=dims, preferred_element_type=jnp.float32,
+                            precision=jax.lax.Precision.HIGHEST if w_ref.dtype == jnp.float32 else None)
+
+    def step(j, carry):
+        *accs, ss = carry
+        k = s * (K // S) + j * bk
+        x = plgpu.load(x_ref.at[pl.ds(0, rows), pl.ds(k, bk)], mask=row_ok, other=0.0)
+        if eps is not None:   # rms_norm(x) @ W.T = rstd * ((x * g) @ W.T): the row's scale applies after the sum
+            x32 = x.astype(jnp.float32)
+            ss = ss + jnp.sum(x32 * x32, axis=1)
+            x = (x32 * norm_ref[layer, pl.ds(k, bk)].astype(jnp.float32)[None, :]).astype(w_ref.dtype)
+        if pairs:
+            gate = w_ref[layer, pl.ds(n0, bn), 0, pl.ds(k, bk)]
+            up = w_ref[layer, pl.ds(n0, bn), 1, pl.ds(k, bk)]
+            return accs[0] + dot(x, gate), accs[1] + dot(x, up), ss
+        w = w_ref[layer, pl.ds(n0, bn), pl.ds(k, bk)]
+        return accs[0] + dot(x, w), ss
+
+    zeros = jnp.zeros((rows, bn), jnp.float32)
+    *accs, ss = jax.lax.fori_loop(0, K // S // bk, step,
+                                  (zeros, zeros, jnp.zeros((rows,), jnp.float32)) if pairs else
+                                  (zeros, jnp.zeros((rows,), jnp.float32)))
+    if eps is not None:
+        rstd = jax.lax.rsqrt(ss / K + eps)[:, None]
+        accs = [a * rstd for a in accs]
+    y = jax.nn.silu(accs[0]) * accs[1] if pairs else accs[0]
+    out_ok = jax.lax.broadcasted_iota(jnp.int32, (rows, bn), 0) < T
+    if S > 1:   # f32 partial sums; the caller adds the splits
+        plgpu.store(o_ref.at[s, pl.ds(0, rows), pl.ds(n0, bn)], y, mask=out_ok)
+        return
+    if residual:
+        y = y + plgpu.load(res_ref.at[pl.ds(0, rows), pl.ds(n0, bn)], mask=out_ok, other=0.0).astype(jnp.float32)
+    plgpu.store(o_ref.at[pl.ds(0, rows), pl.ds(n0, bn)], y.astype(o_ref.dtype), mask=out_ok)
+
+
+@functools.partial(jax.jit, static_argnames=("tiling", "eps", "interpret"))
+def gemv(x, w, layer, norm=None, residual=None, *, tiling: Tiling = Tiling(), eps: float | None = None,
+         interpret: bool | None = None):
+    """x [T, K] (T <= MAX_ROWS); w [L, N, K] or, for gate/up pairs, [L, F, 2, K]; layer: i32 scalar.
+    norm [L, K] with eps: rms_norm x first. residual [T, N]: added to the output (one split only).
+    -> [T, N] (pairs: silu(gate) * up [T, F]) in x's dtype, or with tiling.splits = S > 1 the f32 partial sums
+    [S, T, N] (their sum is the product; residual not allowed)."""
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    T, K = x.shape[0], w.shape[-1]
+    if x.ndim != 2 or x.shape[1] != K:
+        raise ValueError(f"x {x.shape} does not match the weight {w.shape}: x must be [T, {K}]")
+    pairs = w.ndim == 4
+    N = w.shape[1]
+    bn, bk, S = tiling.block_n, tiling.block_k, tiling.splits
+    if T > MAX_ROWS:
+        raise ValueError(f"gemv takes at most {MAX_ROWS} rows, got T={T}; larger steps belong to XLA's GEMMs")
+    if N % bn or K % (S * bk):
+        raise ValueError(f"tiling {tiling} does not divide N={N}, K={K} (block_n must divide N, "
+                         f"splits * block_k must divide K)")
+    if (norm is None) != (eps is None):
+        raise ValueError("norm and eps go together")
+    if eps is not None and S > 1:
+        raise ValueError("the norm needs the whole K in one program (its scale is the whole row's)")
+    if pairs and S > 1:
+        raise ValueError("gate/up pairs need the whole K in one program (SwiGLU is applied to the full sums)")
+    if residual is not None and S > 1:
+        raise ValueError("a residual is added by one-split kernels only; with splits the caller adds it")
+    rows = _rows_tile(T)
+    # The interpreter slices instead of masking (and clamps slices past the end): there the rows are padded.
+    Tp = rows if interpret else T
+    pad = lambda a: jnp.pad(a, ((0, Tp - T), (0, 0))) if Tp != T else a  # noqa: E731
+    args = [jnp.reshape(layer, (1,)).astype(jnp.int32), pad(x), w]
+    if norm is not None:
+        args.append(norm)
+    if residual is not None:
+        args.append(pad(residual))
+    out_shape = (jax.ShapeDtypeStruct((S, Tp, N), jnp.float32) if S > 1 else
+                 jax.ShapeDtypeStruct((Tp, N), x.dtype))
+    whole = lambda a: pl.BlockSpec(a.shape, lambda n, s: (0,) * len(a.shape))  # noqa: E731
+    kernel = functools.partial(_kernel, T=T, K=K, tiling=tiling, rows=rows, eps=eps, pairs=pairs,
+                               residual=residual is not None)
+    params = {} if interpret else dict(compiler_params=plgpu.CompilerParams(
+        num_warps=tiling.num_warps, num_stages=tiling.num_stages))
+    out = pl.pallas_call(kernel, grid=(N // bn, S), in_specs=[whole(a) for a in args],
+                         out_specs=pl.BlockSpec(out_shape.shape, lambda n, s: (0,) * len(out_shape.shape)),
+                         out_shape=out_shape, interpret=interpret, name="gemv", **params)(*args)
+    if Tp != T:
+        out = out[:, :T] if S > 1 else out[:T]
+    return out
+
+
+# ---- the layer's entry point: which weight, which tiling -----------------------------------------------------
+
+class LayerWeights(dict):
+    """One layer's weights as the unrolled decoder hands them to a layer: `lp[name]` is the layer's slice, as in
+    a plain dict, and `stack(name)` the whole stacked weight and the layer's index, which the kernels read in
+    place (a sliced weight passed to a kernel would be copied first)."""
+
+    def __init__(self, stacks: dict, index: int):
+        super().__init__({name: w[index] for name, w in stacks.items()})
+        self.stacks, self.index = stacks, index
+
+    def stack(self, name: str):
+        return self.stacks[name], self.index
+
+
+def _stacked(lp, name: str):
+    return lp.stack(name) if isinstance(lp, LayerWeights) else (lp[name][None], 0)
+
+
+def _largest_dividing(n: int, options) -> int | None:
+    return next((o for o in options if n % o == 0), None)
+
+
+def tiling_for(N: int, K: int, *, norm: bool, pairs: bool) -> Tiling | None:
+    """The tiling measured fastest on an H100 for each kind of layer matmul (Qwen2.5-Coder-1.5B shapes at 8 and
+    16 tokens, scripts/bench_gemv.py's sweep; docs/benchmarks.md), adapted to shapes it divides; None where no
+    block divides the shape (the caller uses XLA's GEMM)."""
+    if pairs:      # gate/up with the norm and SwiGLU: 280 programs of 32 pairs
+        bn, bk, S, warps, stages = 32, _largest_dividing(K, (128, 64, 32, 16)), 1, 2, 3
+    elif norm:     # q/k/v with the norm: 128 programs of 16 rows, long K steps
+        bn, bk, S, warps, stages = 16, _largest_dividing(K, (512, 256, 128, 64, 32, 16)), 1, 4, 3
+    else:          # o and down: K split so that each program walks ~1-2k of it
+        bn, warps, stages = 32, (2 if K >= 4096 else 4), 5
+        bk = _largest_dividing(K, (128, 64, 32, 16))
+        S = next((s for s in (5, 7, 4, 3, 2, 1) if bk and K % (s * bk) == 0 and K // s >= 512), 1) if bk else 1
+    if bk is None or N % bn:
+        bn = 16
+        if bk is None or N % bn:
+            return None
+    return Tiling(bn, bk, S, warps, stages)
+
+
+def linear(x, lp, name: str, *, norm: str | None = None, eps: float | None = None, residual=None,
+           kernel: bool = True):
+    """x [T, K] @ lp[name].T with the layer's rms_norm `norm` applied to x first, and `residual` added; a gate/up
+    weight [F, 2, K] gives silu(gate) * up [T, F]. With `kernel`, one gemv kernel (two where K is split: the
+    partial sums are added, with the residual, by one XLA fusion); XLA's ops otherwise or where no tiling fits."""
+    w, layer = _stacked(lp, name)
+    pairs = w.ndim == 4
+    g = None
+    if norm is not None:
+        g, g_layer = _stacked(lp, norm)
+        assert g_layer == layer
+    tiling = tiling_for(w.shape[1], x.shape[1], norm=norm is not None, pairs=pairs) if kernel else None
+    if tiling is None:
+        y = x if norm is None else _rms_norm(x, g[layer], eps)
+        y = y @ (w[layer].reshape(-1, w.shape[-1]).T)
+        if pairs:
+            y = y.reshape(x.shape[0], -1, 2)
+            y = jax.nn.silu(y[..., 0]) * y[..., 1]
+        return y if residual is None else residual + y
+    if tiling.splits > 1:   # (norm and pairs tilings are never split)
+        y = gemv(x, w, layer, tiling=tiling).sum(0)
+        return (y if residual is None else residual.astype(jnp.float32) + y).astype(x.dtype)
+    return gemv(x, w, layer, g, residual, tiling=tiling, eps=eps)
+
+
+def _rms_norm(x, weight, eps):
+    from jaxspec.nn.ops import rms_norm
+    return rms_norm(x, weight, eps)
