@@ -1,6 +1,8 @@
 """Does the engine's step call block the host while the previous step runs (GPU)? Times one request's decode
 step issued with the device idle against one issued right behind another, and device_put of the step's packed
-input buffer idle and busy. argv[1]: num_kv_blocks (default: the engine's).
+input buffer idle and busy. argv[1]: num_kv_blocks (default: the engine's; "" for it), argv[2]: the attention
+("pallas", the GPU default, or "reference"); argv[3] "trace": the host's longest trace events (PJRT's and
+XLA's TraceMe scopes) during back-to-back calls, to name what the blocked call waits in.
 
     python3 scripts/probes/issue_blocking.py
     XLA_FLAGS=--xla_gpu_enable_command_buffer= python3 scripts/probes/issue_blocking.py
@@ -12,9 +14,11 @@ from jaxspec.sched.engine import Engine, EngineConfig
 
 model = random_model("qwen2.5-coder-1.5b-instruct", dtype="bfloat16")
 import sys
-nkv = int(sys.argv[1]) if len(sys.argv) > 1 else None
-engine = Engine(model, EngineConfig(max_num_seqs=32, max_model_len=1024, max_num_batched_tokens=256, warmup=False, num_kv_blocks=nkv))
-print("num_kv_blocks", engine.step_config.num_blocks, flush=True)
+nkv = int(sys.argv[1]) if len(sys.argv) > 1 and sys.argv[1] else None
+attention = sys.argv[2] if len(sys.argv) > 2 else "auto"
+engine = Engine(model, EngineConfig(max_num_seqs=32, max_model_len=1024, max_num_batched_tokens=256, warmup=False, num_kv_blocks=nkv,
+                                    attention=attention))
+print("num_kv_blocks", engine.step_config.num_blocks, "attention", attention, flush=True)
 r = engine.runner
 rng = np.random.default_rng(0)
 req = engine.add_request(rng.integers(0, 1000, 192).tolist(), SamplingParams(temperature=0, max_tokens=600, ignore_eos=True))
@@ -69,4 +73,24 @@ def call_np():
     r.state, out = fn(r.params, r.drafter_params, r.state, packed)
     return out["tokens"]
 tm("step call, numpy input (transfer inside the call) [idle]", call_np, n=60)
+if len(sys.argv) > 3 and sys.argv[3] == "trace":
+    import glob, tempfile, collections
+    from jax.profiler import ProfileData
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d):
+            for _ in range(8):
+                call_busy()
+            jax.block_until_ready(r.state)
+        data = ProfileData.from_file(sorted(glob.glob(f"{d}/**/*.xplane.pb", recursive=True))[-1])
+        total, count = collections.Counter(), collections.Counter()
+        for plane in data.planes:
+            if "host" not in plane.name.lower():
+                continue
+            for line in plane.lines:
+                for ev in line.events:
+                    if ev.duration_ns > 50_000:
+                        total[(line.name[:30], ev.name[:90])] += ev.duration_ns
+                        count[(line.name[:30], ev.name[:90])] += 1
+        for (ln, name), ns in total.most_common(30):
+            print(f"  host {ns / 8e6:8.3f} ms per pair  x{count[(ln, name)] / 8:.1f}  [{ln}] {name}", flush=True)
 engine.abort(req.request_id)
