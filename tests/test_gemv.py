@@ -1,5 +1,7 @@
 """The decode-sized matmul kernels (jaxspec.pallas.gemv, interpreted on the CPU) against plain jnp, mode by mode,
 and an engine whose dense layers run them against one that does not."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -76,7 +78,9 @@ def test_engine_with_gemv_layers_matches_xla_layers(monkeypatch, unroll):
         monkeypatch.setenv("JAXSPEC_GEMV", spec)
         llm = LLM(model, max_num_seqs=2, max_num_batched_tokens=32, max_model_len=64, warmup=False,
                   unroll_layers=unroll)
-        assert llm.engine.runner.ops.use_gemv(8) == (spec == "all")
+        ops = llm.engine.runner.ops
+        assert ops.use_gemv(8) == (spec == "all") and not ops.use_gemv(17)
+        assert not dataclasses.replace(ops, tp=object()).use_gemv(8)   # a split model keeps XLA's sharded matmuls
         outs[spec] = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for a, b in zip(outs[""], outs["all"]):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids

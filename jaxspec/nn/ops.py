@@ -155,9 +155,10 @@ class Ops:
     autotune_cache_dir: str | None = None
     delta_rule: str = "reference"
     # The dense layer's matmuls (weight names) that steps of at most GEMV_MAX_TOKENS tokens run as
-    # jaxspec.pallas.gemv kernels, the norm, SwiGLU or residual add next to each inside it (one device). On a GPU
-    # down alone by default (JAXSPEC_GEMV): on an H100 it is the one the kernel wins (the 1.5B's step 4% faster);
-    # XLA's GEMMs are faster on q/k/v, o and gate/up, and the whole set is 12% slower (docs/benchmarks.md).
+    # jaxspec.pallas.gemv kernels, the norm, SwiGLU or residual add next to each inside it (one device: a split
+    # model keeps XLA's sharded matmuls, `use_gemv`). On a GPU down alone by default (JAXSPEC_GEMV): on an H100
+    # it is the one the kernel wins (the 1.5B's step 4% faster); XLA's GEMMs are faster on q/k/v, o and gate/up,
+    # and the whole set is 12% slower (docs/benchmarks.md).
     gemv: frozenset = frozenset()
 
     def use_gemv(self, num_tokens: int) -> bool:
@@ -186,8 +187,7 @@ class Ops:
             use_compile_cache(cache_dir() / "jax-compile")
         return Ops(attention=attention, block_size=block_size, unroll=gpu if unroll is None else unroll, tp=tp,
                    cublas_from_tokens=CUBLAS_FROM_TOKENS if gpu else None, autotune_cache_dir=autotune_cache,
-                   delta_rule=delta_rule, gemv=gemv_matmuls(os.environ.get("JAXSPEC_GEMV", "down" if gpu else ""))
-                   if tp is None else frozenset())
+                   delta_rule=delta_rule, gemv=gemv_matmuls(os.environ.get("JAXSPEC_GEMV", "down" if gpu else "")))
 
     def compiler_options(self, num_tokens: int) -> dict:
         """XLA options for the compile of a step of `num_tokens` tokens. Measured on an H100 (Qwen2.5-1.5B,

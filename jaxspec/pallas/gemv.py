@@ -29,6 +29,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jaxspec.nn.ops import rms_norm
+
 MAX_ROWS = 32   # tokens the kernel takes; larger steps are matrix-bound and go to XLA's GEMMs
 
 
@@ -181,7 +183,7 @@ def tiling_for(N: int, K: int, *, norm: bool, pairs: bool) -> Tiling | None:
     else:          # o and down: K split so that each program walks ~1-2k of it
         bn, warps, stages = 32, (2 if K >= 4096 else 4), 5
         bk = _largest_dividing(K, (128, 64, 32, 16))
-        S = next((s for s in (5, 7, 4, 3, 2, 1) if bk and K % (s * bk) == 0 and K // s >= 512), 1) if bk else 1
+        S = next((s for s in (5, 7, 4, 3, 2, 1) if K % (s * bk) == 0 and K // s >= 512), 1) if bk else 1
     if bk is None or N % bn:
         bn = 16
         if bk is None or N % bn:
@@ -202,7 +204,7 @@ def linear(x, lp, name: str, *, norm: str | None = None, eps: float | None = Non
         assert g_layer == layer
     tiling = tiling_for(w.shape[1], x.shape[1], norm=norm is not None, pairs=pairs) if kernel else None
     if tiling is None:
-        y = x if norm is None else _rms_norm(x, g[layer], eps)
+        y = x if norm is None else rms_norm(x, g[layer], eps)
         y = y @ (w[layer].reshape(-1, w.shape[-1]).T)
         if pairs:
             y = y.reshape(x.shape[0], -1, 2)
@@ -212,8 +214,3 @@ def linear(x, lp, name: str, *, norm: str | None = None, eps: float | None = Non
         y = gemv(x, w, layer, tiling=tiling).sum(0)
         return (y if residual is None else residual.astype(jnp.float32) + y).astype(x.dtype)
     return gemv(x, w, layer, g, residual, tiling=tiling, eps=eps)
-
-
-def _rms_norm(x, weight, eps):
-    from jaxspec.nn.ops import rms_norm
-    return rms_norm(x, weight, eps)
