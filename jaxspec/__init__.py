@@ -1,4 +1,8 @@
 """jaxspec: zero-bubble async scheduling with speculative decoding, in JAX/XLA."""
+from jaxspec import xla_flags
+
+xla_flags.configure()   # before anything starts JAX's backend  # noqa: E402
+
 from jaxspec.llm import LLM, generate
 from jaxspec.models.loader import load_model
 from jaxspec.sampling_params import SamplingParams

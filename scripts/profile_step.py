@@ -202,10 +202,7 @@ def main():
         if a.hlo_dir:
             import os
             os.makedirs(a.hlo_dir, exist_ok=True)
-            buf = jax.device_put(runner.new_inputs(T).pack())
-            variant = runner.last_variant(T)
-            text = runner.step_fn(T, variant[0]).lower(runner.params, runner.drafter_params, runner.state, buf,
-                                                       *runner._grammar_args(*variant)).compile().as_text()
+            text = runner.lower(T, *runner.last_variant(T)).compile().as_text()
             with open(f"{a.hlo_dir}/step_b{b}_T{T}.hlo", "w") as f:
                 f.write(text)
         if a.sequence:

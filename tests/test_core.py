@@ -25,8 +25,8 @@ def step_argument_buffers(llm) -> int:
     """Buffers JAX's own lowering of a live step receives (not our count of them)."""
     runner = llm.engine.runner
     llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
-    T, (variant, buf) = next(iter(runner.last_inputs.items()))
-    lowered = runner.step_fn(T, variant).lower(runner.params, runner.drafter_params, runner.state, buf)
+    T, (variant, _) = next(iter(runner.last_inputs.items()))
+    lowered = runner.lower(T, variant)
     return len(jax.tree_util.tree_leaves(lowered.args_info))
 
 

@@ -5,6 +5,13 @@ touches device arrays other than the output it is waiting for.
 
 Hooks for benchmarks and profiles: `bucket_for`, `last_inputs` and `replay` (run a live step's inputs again),
 `issue_seconds` (host time to issue each step), `argument_buffers` (buffers each step call passes).
+
+Every buffer a step reads or writes keeps one address from step to step: the inputs are copied into a per-bucket
+inbox and the outputs written into a per-variant outbox, both donated like the state. XLA captures the step as a
+CUDA graph and re-records it whenever an address changes; on the GPU that re-recording, issued behind the
+running step, held the host 0.6-1.2 ms per step (docs/benchmarks.md). Two one-kernel dispatches around the step
+move the data instead: `_load_inputs` (fresh transfer -> inbox) and `_copy_outputs` (outbox -> fresh arrays the
+host reads while the next step overwrites the outbox).
 """
 from __future__ import annotations
 
@@ -19,13 +26,21 @@ from tqdm.auto import tqdm
 
 from jaxspec.decode.inputs import StepInputs
 from jaxspec.decode.state import DecodeState, StepConfig, init_state, state_schema
-from jaxspec.decode.step import StepVariant, make_step
+from jaxspec.decode.step import StepVariant, make_step, output_shapes
 from jaxspec.nn import schema
 from jaxspec.nn.decoder import Decoder
 from jaxspec.nn.ops import Ops
 from jaxspec.nn.sharding import PARAM_RULES, STATE_RULES
 
 MIN_TOKEN_BUCKET = 8
+
+
+def _load_inputs(inbox, buf):
+    return jax.lax.dynamic_update_slice(inbox, buf, (0,))   # in place: inbox is donated
+
+
+def _copy_outputs(outbox):
+    return jax.tree_util.tree_map(jnp.copy, outbox)
 
 
 def _write_history(state, slot, ids, n):
@@ -57,6 +72,10 @@ class ModelRunner:
             self.state = jax.device_put(self.state, self.state_shardings)
             self.input_sharding = tp.replicated
         self._write_history = jax.jit(_write_history, donate_argnums=(0,), out_shardings=self.state_shardings)
+        self._load_inputs = jax.jit(_load_inputs, donate_argnums=(0,), out_shardings=self.input_sharding)
+        self._copy_outputs = jax.jit(_copy_outputs, out_shardings=self.input_sharding)
+        self._inboxes: dict[int, jax.Array] = {}                  # per bucket
+        self._outboxes: dict[tuple[int, StepVariant], dict] = {}  # per bucket and variant
         cap = max(max_num_batched_tokens, MIN_TOKEN_BUCKET)
         self.token_buckets = [b for b in (MIN_TOKEN_BUCKET << i for i in range(32)) if b < cap] + [cap]
         # A step has at most one row per token, and at least MIN_TOKEN_BUCKET rows even when max_num_seqs is
@@ -108,8 +127,7 @@ class ModelRunner:
         # the transfer may read host memory after this call returns (even with may_alias=False), so a
         # reused staging buffer would need double-buffering.
         buf = jax.device_put(inputs.pack(), self.input_sharding, may_alias=False)
-        self.state, out = self.step_fn(T, variant)(self.params, self.drafter_params, self.state, buf,
-                                                   *self._grammar_args(variant, grammar_table))
+        out = self._issue(T, variant, buf, grammar_table)
         for array in out.values():
             array.copy_to_host_async()
         self.last_inputs[T] = (variant, buf)
@@ -130,9 +148,27 @@ class ModelRunner:
         """Runs bucket T's last live inputs again (benchmarks: the device time of a real step). Each replay
         advances the same rows by one more token; abort those requests afterwards."""
         variant, buf = self.last_inputs[T]
-        self.state, out = self.step_fn(T, variant)(self.params, self.drafter_params, self.state, buf,
-                                                   *self._grammar_args(variant, self._last_grammar.get(T)))
-        return out
+        return self._issue(T, variant, buf, self._last_grammar.get(T))
+
+    def _issue(self, T: int, variant: StepVariant, buf, grammar_table) -> dict:
+        """inbox <- buf, the step (state and boxes donated), a fresh copy of its outputs."""
+        inbox = self._inboxes.pop(T, None)
+        if inbox is None:
+            inbox = jnp.zeros(buf.shape, buf.dtype, device=self.input_sharding)
+        inbox = self._inboxes[T] = self._load_inputs(inbox, buf)
+        outbox = self._outboxes.pop((T, variant), None)
+        if outbox is None:
+            outbox = self.new_outbox(T, variant)
+        self.state, outbox = self.step_fn(T, variant)(self.params, self.drafter_params, self.state, inbox, outbox,
+                                                      *self._grammar_args(variant, grammar_table))
+        self._outboxes[(T, variant)] = outbox
+        return self._copy_outputs(outbox)
+
+    def new_outbox(self, T: int, variant: StepVariant) -> dict:
+        """Device buffers shaped as bucket T's outputs under this variant (the step writes into them)."""
+        shapes = output_shapes(variant, self.step_config, self.rows_for(T), self.target.config.vocab_size)
+        # made on the device: a CPU device_put of host zeros may alias host memory, which cannot be donated
+        return jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype, device=self.input_sharding), shapes)
 
     @staticmethod
     def _grammar_args(variant: StepVariant, grammar_table) -> tuple:
@@ -166,18 +202,23 @@ class ModelRunner:
         """Instructions of the compiled step's entry computation that launch work (fusions, custom calls,
         copies, ...; not parameters, constants, bitcasts or tuple plumbing): the kernels one step of bucket T
         runs, from the compiled HLO of this backend."""
-        buf = jax.device_put(self.new_inputs(T).pack())
-        text = self.step_fn(T, variant).lower(self.params, self.drafter_params, self.state, buf,
-                                              *self._grammar_args(variant, grammar_table)).compile().as_text()
+        text = self.lower(T, variant, grammar_table).compile().as_text()
         entry = text[text.index("ENTRY"):]
         entry = entry[:entry.index("\n}")]
         plumbing = {"parameter", "constant", "bitcast", "tuple", "get-tuple-element"}
         ops = re.findall(r"= (?:\([^=]*?\)|[^\s(]+) ([\w-]+)\(", entry)   # the opcode after each result's shape
         return sum(op not in plumbing for op in ops)
 
+    def lower(self, T: int, variant: StepVariant = StepVariant(), grammar_table=None):
+        """Bucket T's step lowered for this variant (jax.stages.Lowered: its HLO, its arguments)."""
+        buf = jax.device_put(self.new_inputs(T).pack(), self.input_sharding)
+        return self.step_fn(T, variant).lower(self.params, self.drafter_params, self.state, buf,
+                                              self.new_outbox(T, variant), *self._grammar_args(variant, grammar_table))
+
     def argument_buffers(self) -> int:
-        """Buffers one step call passes: params, drafter params, decode state, the packed inputs."""
-        return schema.num_buffers(self.params, self.drafter_params, self.state) + 1
+        """Buffers one step call passes: params, drafter params, decode state, the inbox, the outbox."""
+        return schema.num_buffers(self.params, self.drafter_params, self.state) + 1 + len(
+            jax.tree_util.tree_leaves(output_shapes(StepVariant(), self.step_config, self.max_rows, 1)))
 
     def weight_bytes(self) -> int:
         return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(self.params))

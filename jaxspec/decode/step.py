@@ -26,6 +26,7 @@ saved feature), so that a later step drafting again proposes exactly what it wou
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -339,14 +340,25 @@ def outputs(variant: StepVariant, raw_logits, emitted, num_accepted) -> dict:
     return out
 
 
+def output_shapes(variant: StepVariant, sc: StepConfig, num_rows: int, vocab_size: int) -> dict:
+    """The shapes and dtypes of a step's outputs (`outputs`), without tracing the step."""
+    K1 = variant.draft_width(sc) + 1
+    sds = jax.ShapeDtypeStruct
+    return jax.eval_shape(functools.partial(outputs, variant), sds((num_rows, K1, vocab_size), jnp.float32),
+                          sds((num_rows, K1), jnp.int32), sds((num_rows,), jnp.int32))
+
+
 def make_step(target, drafter, sc: StepConfig, num_tokens: int, num_rows: int, variant: StepVariant = StepVariant(),
               out_shardings=None, compiler_options: dict | None = None):
-    """The jitted step of one bucket and variant, taking the packed host buffer (and, for a grammar variant,
-    the automata table); the state is donated (the KV pool is updated in place). `out_shardings`: (the state's,
-    the outputs') under tensor parallelism; `compiler_options`: XLA options for this bucket's compile
-    (Ops.compiler_options)."""
-    def packed_step(params, drafter_params, state, buf, grammar_table=None):
-        inp = unpack(buf, num_tokens, num_rows, sc.max_blocks_per_seq)
+    """The jitted step of one bucket and variant: (params, drafter params, state, inbox, outbox[, grammar
+    table]) -> (state, outbox). `inbox` holds the packed host inputs; `outbox` (shaped as `output_shapes`)
+    receives the outputs. State and outbox are donated, so every buffer the step reads or writes keeps its
+    address from call to call (the KV pool is updated in place, and a CUDA graph of the step never needs
+    re-recording). `out_shardings`: (the state's, the outputs') under tensor parallelism; `compiler_options`:
+    XLA options for this bucket's compile (Ops.compiler_options)."""
+    def packed_step(params, drafter_params, state, inbox, outbox, grammar_table=None):
+        del outbox   # only its buffers are used: the outputs are written into them (donated, aliased)
+        inp = unpack(inbox, num_tokens, num_rows, sc.max_blocks_per_seq)
         return step(target, drafter, sc, variant, params, drafter_params, state, inp, grammar_table)
-    return jax.jit(packed_step, donate_argnums=(2,), out_shardings=out_shardings,
-                   compiler_options=compiler_options or None)
+    return jax.jit(packed_step, donate_argnums=(2, 4), keep_unused=True,   # the unused outbox: aliased, not pruned
+                   out_shardings=out_shardings, compiler_options=compiler_options or None)
