@@ -1,16 +1,19 @@
 """XLA flags jaxspec can set before JAX starts a GPU backend (XLA reads XLA_FLAGS once, when the backend starts).
 
 JAXSPEC_COMMAND_BUFFER_UPDATE_MODE=SKIP_PROFILED (opt-in) sets xla_gpu_command_buffer_update_mode. XLA captures
-the step as one CUDA graph and re-records it whenever a buffer it captured has moved. The step's inputs, outputs and state keep their addresses
-(jaxspec.decode.runner), but XLA's temporary buffer moves whenever something else was allocated between two
-steps (the next step's input transfer, the copy of the previous outputs), and the re-recording, issued behind
-the running step, held the host 1-2 ms per step on an H100. In this mode XLA learns which allocations move over
-its first executions and gives them fixed virtual addresses (VMM remapping): no re-recording after that, and
-the step's host call behind a running step took 1.0 ms instead of 2.7 ms (docs/benchmarks.md). Not yet the
-default: that the engine's outputs are unchanged under it and its effect on the whole loop are unmeasured
-(scripts/probes/update_mode_exact.py, scripts/profile_step.py). Set only where a CUDA plugin is installed,
-XLA_FLAGS does not already name the option, and the installed jaxlib knows the mode (its names changed between
-XLA versions, and XLA aborts on an unknown one).
+the step as one CUDA graph and re-records it whenever a buffer it captured has moved. The step's inputs, outputs
+and state keep their addresses (jaxspec.decode.runner), but XLA's temporary buffer moves whenever something else
+was allocated between two steps (the next step's input transfer, the copy of the previous outputs), and the
+re-recording, issued behind the running step, held the host 1-2 ms per step on an H100. In this mode XLA learns
+which allocations move over its first executions and gives them fixed virtual addresses (VMM remapping): no
+re-recording after that, and the step's host call behind a running step took 1.0 ms instead of 2.7 ms
+(docs/benchmarks.md). Not yet the default: that the engine's outputs are unchanged under it and its effect on the
+whole loop are unmeasured (scripts/probes/update_mode_exact.py, scripts/profile_step.py).
+
+Set only where a CUDA plugin is installed, XLA_FLAGS does not already name the option, and jaxlib and the CUDA
+plugin (each parses XLA_FLAGS) both know the mode: its names changed between XLA versions, and XLA aborts on an
+unknown one. The same flag passed as a per-compile option (jax.jit's compiler_options) is accepted but left the
+re-recording as it was on the H100: it has to be in XLA_FLAGS.
 """
 from __future__ import annotations
 
@@ -19,19 +22,30 @@ import mmap
 import os
 import pathlib
 
-CUDA_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin")
+# jax[cuda12] / jax[cuda13]'s PJRT plugins: XLA's GPU compiler and runtime live in their shared library
+CUDA_PLUGINS = ("jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13")
 
 
-def _jaxlib_names(word: str) -> bool:
-    """Whether the installed jaxlib's XLA carries `word` (an enum value name) in its shared library."""
-    spec = importlib.util.find_spec("jaxlib")
-    if spec is None or spec.origin is None:
-        return False
-    for lib in pathlib.Path(spec.origin).parent.glob("libjax_common*.so"):
+def _libraries() -> list[pathlib.Path]:
+    """The shared libraries that parse XLA_FLAGS: jaxlib's and the installed CUDA plugin's."""
+    libs = []
+    for name in ("jaxlib",) + CUDA_PLUGINS:
+        try:
+            spec = importlib.util.find_spec(name)
+        except ModuleNotFoundError:   # no jax_plugins namespace at all
+            spec = None
+        if spec is not None and spec.origin is not None:
+            libs += pathlib.Path(spec.origin).parent.glob("*.so")
+    return libs
+
+
+def _libraries_name(word: str, libs) -> bool:
+    """Whether every one of `libs` carries `word` (an enum value's name): XLA in each parses the flag."""
+    def names(lib):
         with open(lib, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-            if m.find(word.encode()) >= 0:
-                return True
-    return False
+            return m.find(word.encode()) >= 0
+    xla_libs = [lib for lib in libs if lib.name.startswith(("libjax_common", "xla_cuda_plugin"))]
+    return bool(xla_libs) and all(names(lib) for lib in xla_libs)
 
 
 def configure() -> str | None:
@@ -40,7 +54,8 @@ def configure() -> str | None:
     mode = os.environ.get("JAXSPEC_COMMAND_BUFFER_UPDATE_MODE", "")
     if not mode or "xla_gpu_command_buffer_update_mode" in flags:
         return None
-    if not any(importlib.util.find_spec(p) is not None for p in CUDA_PLUGINS) or not _jaxlib_names(mode):
+    libs = _libraries()
+    if not any(lib.name.startswith("xla_cuda_plugin") for lib in libs) or not _libraries_name(mode, libs):
         return None
     os.environ["XLA_FLAGS"] = f"{flags} --xla_gpu_command_buffer_update_mode={mode}".strip()
     return mode

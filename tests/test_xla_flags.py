@@ -1,21 +1,26 @@
-"""jaxspec.xla_flags: the command-buffer update mode reaches XLA_FLAGS only where it can apply and is known."""
-import importlib.util
+"""jaxspec.xla_flags: the command-buffer update mode reaches XLA_FLAGS only where it can apply and every XLA that
+parses the flags knows it (XLA aborts on an unknown name)."""
 import os
 
 from jaxspec import xla_flags
 
 
-def test_the_update_mode_is_set_only_where_it_applies(monkeypatch):
-    real_find_spec = importlib.util.find_spec
+def test_the_update_mode_is_set_only_where_it_applies(monkeypatch, tmp_path):
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
     monkeypatch.setenv("JAXSPEC_COMMAND_BUFFER_UPDATE_MODE", "ALWAYS_UPDATE")   # a name every jaxlib here knows
     assert xla_flags.configure() is None                      # no CUDA plugin installed (the CPU suite)
 
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name: object() if name in xla_flags.CUDA_PLUGINS else real_find_spec(name))
+    # a CUDA plugin library that names the mode, and one from another XLA version that does not
+    jaxlib = [lib for lib in xla_flags._libraries() if lib.name.startswith("libjax_common")]
+    plugin, old_plugin = tmp_path / "new" / "xla_cuda_plugin.so", tmp_path / "old" / "xla_cuda_plugin.so"
+    for path, text in ((plugin, b"\0ALWAYS_UPDATE\0SKIP_PROFILED\0"), (old_plugin, b"\0NEVER_UPDATE\0")):
+        path.parent.mkdir()
+        path.write_bytes(text)
+    monkeypatch.setattr(xla_flags, "_libraries", lambda: jaxlib + [old_plugin])
+    assert xla_flags.configure() is None
+    monkeypatch.setattr(xla_flags, "_libraries", lambda: jaxlib + [plugin])
     assert xla_flags.configure() == "ALWAYS_UPDATE"
     flags = "--xla_force_host_platform_device_count=4 --xla_gpu_command_buffer_update_mode=ALWAYS_UPDATE"
-
     assert os.environ["XLA_FLAGS"] == flags
     assert xla_flags.configure() is None and os.environ["XLA_FLAGS"] == flags   # already named: left alone
 
