@@ -6,6 +6,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from conftest import random_model
 from jaxspec import LLM, SamplingParams
@@ -74,6 +75,59 @@ def test_no_hidden_device_reads_on_the_hot_path(monkeypatch):
     # (a hidden read makes a phase wait out a whole device step; on the CPU the host phases also share the
     # cores with the device's own threads, which with conftest's four CPU devices costs ~10% of the wait)
     assert host < 0.25 * timings["wait"], (timings, steps, delay)
+
+
+def guarded_reads(monkeypatch):
+    """On a CPU backend a device array is host memory and JAX's device-to-host transfer guard never fires: make
+    every read of an array's value obey it, as a GPU's does (numpy takes a CPU array through the buffer protocol,
+    past the array's own methods, so np.asarray and np.array are guarded too)."""
+    from jax._src import array as jax_array
+    from jax._src import config as jax_config
+
+    def check(x):
+        if isinstance(x, jax.Array) and jax_config.transfer_guard_device_to_host.value == "disallow":
+            raise RuntimeError(f"device-to-host transfer of a {x.dtype}{list(x.shape)} array on the hot path")
+
+    value = jax_array.ArrayImpl._value
+
+    def guarded_value(self):
+        check(self)
+        return value.fget(self)
+
+    def guarded(fn):
+        def read(x, *args, **kwargs):
+            check(x)
+            return fn(x, *args, **kwargs)
+        return read
+    monkeypatch.setattr(jax_array.ArrayImpl, "_value", property(guarded_value))
+    monkeypatch.setattr(np, "asarray", guarded(np.asarray))
+    monkeypatch.setattr(np, "array", guarded(np.array))
+
+
+def test_the_loop_reads_the_device_only_for_the_step_output(monkeypatch):
+    """A mixed workload (chunked prefill, n-gram speculation, sampling, penalties, stop ids, logprobs,
+    preemption) with every device-to-host transfer disallowed: the engine's one allowed read is the step's
+    output; any other read of a device value on the hot path (a hidden sync) fails."""
+    target = random_model(0, num_layers=2)
+    llm = LLM(target, max_num_seqs=4, max_model_len=64, max_num_batched_tokens=8, block_size=4, num_kv_blocks=12,
+              speculative_config=dict(method="ngram", num_speculative_tokens=2), warmup=False)
+    engine = llm.engine
+    prompts = [[5, 6, 7, 8] * 5, [9, 10, 11], [12, 13, 14, 15, 16, 17, 18], [20, 21] * 6]
+    params = [SamplingParams(temperature=0, max_tokens=24, presence_penalty=0.5, logprobs=2),
+              SamplingParams(temperature=0.8, seed=1, max_tokens=24, stop_token_ids=[100, 101]),
+              SamplingParams(temperature=0, max_tokens=24, repetition_penalty=1.2),
+              SamplingParams(temperature=0.7, top_k=5, seed=2, max_tokens=24)]
+    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]   # compiles
+    guarded_reads(monkeypatch)
+    with jax.transfer_guard_device_to_host("disallow"):
+        for read in (np.asarray, np.array, int, lambda x: x.tolist()):   # the guard is live
+            with pytest.raises(RuntimeError, match="hot path"):
+                read(jnp.int32(3) + 1)
+        reqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        while engine.has_unfinished():
+            engine.step()
+    assert engine.stats()["num_preemptions"] > 0 and all(r.finished for r in reqs)
+    assert [r.output_token_ids for r in reqs] == expected
 
 
 def test_kernels_per_step_stay_few():

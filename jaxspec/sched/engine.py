@@ -486,7 +486,11 @@ class Engine:
     def _process(self, rec: _InFlight, timings: dict | None = None) -> list[Request]:
         t0 = time.perf_counter()
         out = rec.out
-        tokens = np.asarray(out["tokens"])             # [R, K+2]: emitted tokens, then the accepted count
+        # The loop's one read of the device: allowed under any transfer guard (a test runs the loop with every
+        # other device-to-host transfer disallowed)
+        with jax.transfer_guard_device_to_host("allow"):
+            tokens = np.asarray(out["tokens"])         # [R, K+2]: emitted tokens, then the accepted count
+            lp = {k: np.asarray(out[k]) for k in ("logprob", "top_ids", "top_logprobs")} if rec.want_logprobs else None
         t1 = time.perf_counter()
         if self.k_chooser is not None:
             self._observe(rec, tokens[:, -1], t1)
@@ -494,7 +498,6 @@ class Engine:
                                                            for row in rec.rows):
             self.spec_counters["chosen_k"][rec.proposed] += 1   # counted as read: async counts as sync does
         rows_tokens = tokens.tolist()   # Python ints, read once: no per-row array indexing below
-        lp = {k: np.asarray(out[k]) for k in ("logprob", "top_ids", "top_logprobs")} if rec.want_logprobs else None
         now = time.perf_counter()      # the arrival time of every token this step confirms
         live, sampled = [], []
         for r, (row, row_tokens) in enumerate(zip(rec.rows, rows_tokens)):
