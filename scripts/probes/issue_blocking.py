@@ -29,7 +29,7 @@ engine.flush()
 T = r.bucket_for(1)
 variant, buf = r.last_inputs[T]
 packed = np.asarray(buf)
-print("packed buffer", packed.shape, packed.dtype, packed.nbytes, "bytes; device", buf.devices(), flush=True)
+print("packed buffer", packed.shape, packed.dtype, packed.nbytes, "bytes", flush=True)
 
 def tm(label, f, n=200, busy=False):
     ts = []
