@@ -1,17 +1,17 @@
 """The device side of an engine: the target's and the drafter's params and the decode state on the device, the
-compiled steps (one per token bucket and variant), warm-up, and per step one input transfer, one dispatch and
-one output copy started. The engine loop (jaxspec.sched.engine) plans steps and reads their outputs; it never
-touches device arrays other than the output it is waiting for.
+compiled steps (one per token bucket and variant), warm-up, and per step three dispatches (the inputs' load, the
+step, the outputs' copy) and the output's copy to the host started. The engine loop (jaxspec.sched.engine) plans
+steps and reads their outputs; it never touches device arrays other than the output it is waiting for.
 
 Hooks for benchmarks and profiles: `bucket_for`, `last_inputs` and `replay` (run a live step's inputs again),
 `issue_seconds` (host time to issue each step), `argument_buffers` (buffers each step call passes).
 
-Every buffer a step reads or writes keeps one address from step to step: the inputs are copied into a per-bucket
+Every buffer a step takes or returns keeps one address from step to step: the inputs are copied into a per-bucket
 inbox and the outputs written into a per-variant outbox, both donated like the state. XLA captures the step as a
-CUDA graph and re-records it whenever an address changes; on the GPU that re-recording, issued behind the
-running step, held the host 0.6-1.2 ms per step (docs/benchmarks.md). Two one-kernel dispatches around the step
-move the data instead: `_load_inputs` (fresh transfer -> inbox) and `_copy_outputs` (outbox -> fresh arrays the
-host reads while the next step overwrites the outbox).
+CUDA graph and re-records it whenever an address it captured changes, and on the GPU the re-recording, issued
+behind the running step, holds the host 1-2 ms (docs/benchmarks.md). `_load_inputs` (host buffer -> inbox) and
+`_copy_outputs` (outbox -> fresh arrays the host reads while the next step overwrites the outbox) move the data
+instead. XLA's own temporary buffer can still move between steps; jaxspec.xla_flags's update mode covers it.
 """
 from __future__ import annotations
 
