@@ -1,7 +1,7 @@
 """jaxspec: zero-bubble async scheduling with speculative decoding, in JAX/XLA."""
 from jaxspec import xla_flags
 
-xla_flags.configure()   # before anything starts JAX's backend  # noqa: E402
+xla_flags.configure()   # before anything starts JAX's backend
 
 from jaxspec.llm import LLM, generate
 from jaxspec.models.loader import load_model
