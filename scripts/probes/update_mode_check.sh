@@ -1,10 +1,12 @@
 # Before SKIP_PROFILED becomes the default (GPU, one call): the engine's greedy outputs with and without it
 # (digests must match), the step profile and the bench's TPOT at batch 1 / 8 / 32 with and without it.
 #   bash scripts/probes/update_mode_check.sh [model]
+#   MODES=SKIP_PROFILED bash scripts/probes/update_mode_check.sh   # one mode per call ("default": XLA's own)
 export PYTHONPATH=$PWD
 M=${1:-qwen2.5-coder-1.5b-instruct}
 quiet() { grep -v "^W0\|^I0\|Warning"; }
-for mode in "" SKIP_PROFILED; do
+for mode in ${MODES:-default SKIP_PROFILED}; do
+  [ "$mode" = default ] && mode=
   echo "=== JAXSPEC_COMMAND_BUFFER_UPDATE_MODE=${mode}"
   JAXSPEC_COMMAND_BUFFER_UPDATE_MODE=$mode python3 scripts/probes/update_mode_exact.py $M 2>&1 | grep digest
   JAXSPEC_COMMAND_BUFFER_UPDATE_MODE=$mode python3 scripts/profile_step.py --model $M --batches 1 8 32 2>&1 | quiet |
