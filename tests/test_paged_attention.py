@@ -66,3 +66,59 @@ def test_padding_tokens_visit_no_page_and_stay_finite(num_splits):
     out = np.asarray(out).reshape(4, 2, 8)
     assert np.isfinite(out).all()
     assert np.all(out[[1, 3]] == 0)
+
+
+def _fused_case(qkv_bias: bool, qk_norm: bool, seed: int = 0):
+    """A ragged step on a pool that already holds earlier steps' KV: row 0 a prefill chunk after a cached
+    prefix, row 1 a verify segment of 4 tokens, rows 2-3 single decode tokens (row 3 at position 0), then two
+    padding tokens (slot past the pool)."""
+    from jaxspec.models.config import ModelConfig
+    cfg = ModelConfig(arch="qwen3" if qk_norm else "qwen2", vocab_size=64, hidden_size=32, intermediate_size=64,
+                      num_layers=2, num_heads=6, num_kv_heads=2, head_dim=32,
+                      rope_theta=500.0)
+    rng = np.random.default_rng(seed)
+    bs, num_blocks, L, Hkv, hd = 4, 32, 2, 2, 32
+    S = num_blocks * bs
+    tables = rng.permutation(num_blocks)[:16].reshape(4, 4).astype(np.int32)
+    rows_spec = [(0, 5, 7), (1, 9, 4), (2, 13, 1), (3, 0, 1)]     # (row, first position this step, tokens)
+    rows, positions, first = [], [], []
+    for r, p0, n in rows_spec:
+        first += [len(rows)] * n
+        rows += [r] * n
+        positions += list(range(p0, p0 + n))
+    rows, positions, first = rows + [0, 0], positions + [0, 0], first + [len(rows), len(rows) + 1]
+    T = len(rows)
+    rows, positions, first = (np.asarray(x, np.int32) for x in (rows, positions, first))
+    slots = tables[rows, positions // bs] * bs + positions % bs
+    slots[-2:] = S                                              # padding: writes nothing, sees nothing
+    W = 6 // 2 + 2
+    lp = {"qkv_bias": jnp.asarray(rng.standard_normal((L, Hkv * W * hd)), jnp.float32)} if qkv_bias else {}
+    if qk_norm:
+        lp.update(q_norm=jnp.asarray(1 + 0.3 * rng.standard_normal((L, hd)), jnp.float32),
+                  k_norm=jnp.asarray(1 + 0.3 * rng.standard_normal((L, hd)), jnp.float32))
+    pool = lambda: jnp.asarray(rng.standard_normal((L, S, Hkv, hd)), jnp.float32)   # noqa: E731
+    qkv = jnp.asarray(rng.standard_normal((T, Hkv * W * hd)), jnp.float32)
+    batch = ForwardBatch(None, jnp.asarray(positions), jnp.asarray(slots), jnp.asarray(rows), jnp.asarray(tables),
+                         None, first_in_step=jnp.asarray(first))
+    return cfg, lp, qkv, pool(), pool(), batch, bs
+
+
+@pytest.mark.parametrize("qkv_bias,qk_norm", [(True, False), (False, True)])
+def test_fused_attention_matches_rotary_write_and_attention(qkv_bias, qk_norm):
+    """The kernel with rotary, q/k norms, bias and the KV write inside gives the unfused layer's output and pool:
+    keys of this step read from the projection, earlier keys from the pool, padding writing and seeing nothing.
+    Layer 1 of two, its weights at index 1 of their stacks."""
+    from jaxspec.nn.layers import split_qkv, write_kv
+    from jaxspec.pallas.gemv import LayerWeights
+    from jaxspec.pallas.paged_attention import fused_attention_fn
+    cfg, stacks, qkv, k_pool, v_pool, batch, bs = _fused_case(qkv_bias, qk_norm)
+    layer = 1
+    lp = LayerWeights(stacks, layer)
+    q, k, v = split_qkv(cfg, lp, qkv, batch.positions)
+    kv = write_kv({"k": k_pool, "v": v_pool}, layer, batch, k, v)
+    want = paged_attention_reference(q, kv["k"], kv["v"], layer, batch, bs)
+    want = jnp.where((batch.slot_mapping < k_pool.shape[1])[:, None], want, 0)   # padding: 0
+    out, k_new, v_new = fused_attention_fn(cfg, lp, qkv, k_pool, v_pool, layer, batch, bs)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(np.asarray(k_new), np.asarray(kv["k"]), rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(v_new), np.asarray(kv["v"]))

@@ -143,10 +143,21 @@ def split_qkv(c, lp, qkv, positions):
 def attention(c, ops: Ops, lp, x, kv: dict, i, batch: ForwardBatch):
     """x [T, Din] (already normed) -> (attention output after o_proj [T, D], kv with this step's k/v written
     into layer i of the pools)."""
-    q, k, v = project_qkv(c, lp, x, batch.positions)
-    kv = write_kv(kv, i, batch, k, v)
-    out = ops.attend(q, kv["k"], kv["v"], i, batch)                               # [T, Hq*hd]
+    out, kv = attend_qkv(c, ops, lp, x @ lp["qkv_proj"].T, kv, i, batch)          # [T, Hq*hd]
     return out.astype(x.dtype) @ lp["o_proj"].T, kv
+
+
+def attend_qkv(c, ops: Ops, lp, qkv, kv: dict, i, batch: ForwardBatch):
+    """The q/k/v projection qkv [T, Hkv*(G+2)*hd] -> (attention output [T, Hq*hd] before o_proj, kv with this
+    step's k/v written into layer i): bias, q/k norms and rotary, the KV write and the attention, in one kernel
+    where `ops.fuses_kv_write` (jaxspec.pallas.paged_attention), else as separate operations."""
+    if ops.fuses_kv_write(batch):
+        from jaxspec.pallas.paged_attention import fused_attention_fn
+        out, k_pool, v_pool = fused_attention_fn(c, lp, qkv, kv["k"], kv["v"], i, batch, ops.block_size)
+        return out, {**kv, "k": k_pool, "v": v_pool}
+    q, k, v = split_qkv(c, lp, qkv, batch.positions)
+    kv = write_kv(kv, i, batch, k, v)
+    return ops.attend(q, kv["k"], kv["v"], i, batch), kv
 
 
 def write_kv(kv: dict, i, batch: ForwardBatch, k, v) -> dict:
@@ -190,10 +201,8 @@ class Attention:
         from jaxspec.pallas.gemv import linear
         eps, kernel = c.rms_norm_eps, ops.gemv
         qkv = linear(h, lp, "qkv_proj", norm="attn_norm", eps=eps, kernel="qkv_proj" in kernel)  # [T, Hkv*(G+2)*hd]
-        q, k, v = split_qkv(c, lp, qkv, batch.positions)
-        kv = write_kv(kv, i, batch, k, v)
-        out = ops.attend(q, kv["k"], kv["v"], i, batch).astype(h.dtype)                      # [T, Hq*hd]
-        h = linear(out, lp, "o_proj", residual=h, kernel="o_proj" in kernel)                  # h + attention
+        out, kv = attend_qkv(c, ops, lp, qkv, kv, i, batch)                                  # [T, Hq*hd]
+        h = linear(out.astype(h.dtype), lp, "o_proj", residual=h, kernel="o_proj" in kernel)                  # h + attention
         act = linear(h, lp, "gate_up_proj", norm="mlp_norm", eps=eps, kernel="gate_up_proj" in kernel)  # [T, F]
         return linear(act, lp, "down_proj", residual=h, kernel="down_proj" in kernel), kv      # h + mlp
 

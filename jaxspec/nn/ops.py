@@ -28,6 +28,11 @@ class ForwardBatch(NamedTuple):
     # bool[T] tokens that extend their sequence: their per-slot state is kept (as a KV slot < S keeps their KV);
     # false for padding and for drafts past a drafter's emitted token. None: every token.
     writes_state: jax.Array | None = None
+    # i32[T] index in T of the first of the token's row's tokens in this step, where each row's tokens are
+    # contiguous at consecutive positions and all write their KV: then a token's keys from that first position
+    # on are the step's own k/v, and the fused attention kernel reads them there instead of from the pool
+    # (jaxspec.pallas.paged_attention). None: not so, and attention reads every key from the pool.
+    first_in_step: jax.Array | None = None
 
 
 def rms_norm(x, weight, eps):
@@ -160,6 +165,9 @@ class Ops:
     # it is the one the kernel wins (the 1.5B's step 4% faster); XLA's GEMMs are faster on q/k/v, o and gate/up,
     # and the whole set is 12% slower (docs/benchmarks.md).
     gemv: frozenset = frozenset()
+    # The Pallas attention with the q/k rotary embedding and the KV write inside (`fuses_kv_write`): one kernel
+    # instead of five per layer. JAXSPEC_FUSED_ATTENTION=0 keeps them apart (for measuring).
+    fused_attention: bool = True
 
     def use_gemv(self, num_tokens: int) -> bool:
         return bool(self.gemv) and self.tp is None and num_tokens <= GEMV_MAX_TOKENS
@@ -187,7 +195,8 @@ class Ops:
             use_compile_cache(cache_dir() / "jax-compile")
         return Ops(attention=attention, block_size=block_size, unroll=gpu if unroll is None else unroll, tp=tp,
                    cublas_from_tokens=CUBLAS_FROM_TOKENS if gpu else None, autotune_cache_dir=autotune_cache,
-                   delta_rule=delta_rule, gemv=gemv_matmuls(os.environ.get("JAXSPEC_GEMV", "down" if gpu else "")))
+                   delta_rule=delta_rule, gemv=gemv_matmuls(os.environ.get("JAXSPEC_GEMV", "down" if gpu else "")),
+                   fused_attention=os.environ.get("JAXSPEC_FUSED_ATTENTION", "1") != "0")
 
     def compiler_options(self, num_tokens: int) -> dict:
         """XLA options for the compile of a step of `num_tokens` tokens. Measured on an H100 (Qwen2.5-1.5B,
@@ -201,6 +210,13 @@ class Ops:
         if self.autotune_cache_dir is not None:
             opts["xla_gpu_per_fusion_autotune_cache_dir"] = self.autotune_cache_dir
         return opts
+
+    def fuses_kv_write(self, batch: ForwardBatch) -> bool:
+        """Whether `attend_qkv` runs the kernel with the rotary embedding and the KV write inside: the Pallas
+        attention on one device, one context split, and a batch that says where each row's step begins."""
+        from jaxspec.pallas import paged_attention as pa
+        return (self.fused_attention and self.attention == "pallas" and self.tp is None and pa.NUM_SPLITS == 1
+                and batch.first_in_step is not None)
 
     def attend(self, q, k_pool, v_pool, layer, batch: ForwardBatch):
         """q [T, Hq, hd] against the pools [L, S, Hkv, hd] of layer `layer` -> [T, Hq*hd]; under tensor

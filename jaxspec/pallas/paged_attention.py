@@ -149,3 +149,205 @@ def paged_attention_fn(q, k_pool, v_pool, layer, batch, block_size: int):
     positions = jnp.where(batch.slot_mapping < k_pool.shape[1], batch.positions, -1)
     return paged_attention(q, k_pool, v_pool, jnp.asarray(layer, jnp.int32), positions, batch.row_of_token,
                            batch.block_tables, block_size=block_size, num_splits=NUM_SPLITS)
+
+
+# ---- attention with the step's rotary embedding and KV write inside ----------------------------------------
+#
+# The unfused layer runs five kernels between the q/k/v matmul and o: rotary on q, rotary on k with k's
+# scatter into the pool, v's scatter, the padding mask, and the attention (H100 trace, 1.5B: 6.7 us of each
+# layer's 55). Here one program per (token, kv head) does all of it: it rotates its q rows and its own k,
+# writes its k/v into the pool, and attends. Programs run in no order, so a program may not read a key another
+# program of this step writes: the keys a token sees are split at its row's first position in the step, p0.
+# Those before p0 were written by earlier steps and are read from the pool's pages; those from p0 to the
+# token's own position are this step's, read from the projection itself (rows first..t of qkv, rotated again
+# by each reader). That needs the batch's rows contiguous at consecutive positions with every token writing
+# its KV (`ForwardBatch.first_in_step`), which the engine's step batches are. Rotary pairs element j with
+# j + hd/2, so every head row is handled as its two halves (two dots of hd/2 instead of one of hd).
+
+def _fused_kernel(layer_ref, wlayer_ref, pos_ref, slot_ref, first_ref, row_ref, tables_ref, qkv_ref, cos_ref,
+                  sin_ref, *refs, block_size: int, max_blocks: int, num_kv_slots: int, scale: float, group: int,
+                  q_rows: int, chunk: int, pages_per_iter: int, has_bias: bool, has_norm: bool, eps: float):
+    refs = list(refs)
+    bias_ref = refs.pop(0) if has_bias else None
+    q_norm_ref, k_norm_ref = (refs.pop(0), refs.pop(0)) if has_norm else (None, None)
+    k_ref, v_ref, o_ref, k_out_ref, v_out_ref = refs
+    t, h = pl.program_id(0), pl.program_id(1)
+    layer, wlayer, slot, row = layer_ref[0], wlayer_ref[0], slot_ref[t], row_ref[t]
+    writes = slot < num_kv_slots
+    pos = jnp.where(writes, pos_ref[t], -1)          # a token that writes no KV is padding: it sees no key
+    first = first_ref[t]
+    p0 = pos - (t - first)                           # this row's first position in the step
+    hd = qkv_ref.shape[-1]
+    G, W, half = group, group + 2, hd // 2
+    dtype = qkv_ref.dtype
+    halves = (pl.ds(0, half), pl.ds(half, half))
+    k_row, v_row = h * W + G, h * W + G + 1          # this kv head's k and v rows of a token's qkv
+    wl = pl.ds(wlayer, 1)
+
+    def load(ref, idx, mask=None):
+        """f32 halves of `ref` at the leading indices `idx` (its last axis is head_dim)."""
+        return tuple(plgpu.load(ref.at[(*idx, part)], mask=mask, other=0.0).astype(jnp.float32) for part in halves)
+
+    def with_bias(x, rows, mask=None):
+        """qkv rows + the bias (in the model's dtype, as the unfused layer adds it)."""
+        if not has_bias:
+            return x
+        b = load(bias_ref, (wlayer, rows), mask)
+        return tuple((xi + bi).astype(dtype).astype(jnp.float32) for xi, bi in zip(x, b))
+
+    def rotate(x, norm_ref, cos, sin):
+        """Halves x [n, hd/2] (f32) -> RMSNorm (q_norm / k_norm, rounded to the model's dtype as the unfused layer
+        rounds) and rotary: the rotated halves in the model's dtype."""
+        x1, x2 = x
+        if norm_ref is not None:
+            inv = jax.lax.rsqrt((jnp.sum(x1 * x1, axis=-1, keepdims=True) +
+                                 jnp.sum(x2 * x2, axis=-1, keepdims=True)) / hd + eps)
+            w1, w2 = load(norm_ref, (wl,))
+            x1 = (w1 * (x1 * inv)).astype(dtype).astype(jnp.float32)
+            x2 = (w2 * (x2 * inv)).astype(dtype).astype(jnp.float32)
+        return (x1 * cos - x2 * sin).astype(dtype), (x2 * cos + x1 * sin).astype(dtype)
+
+    one = pl.ds(t, 1)
+    cos_t, sin_t = (plgpu.load(ref.at[one, :]) for ref in (cos_ref, sin_ref))                  # [1, hd/2]
+
+    # This kv head's G query heads (rows h*W .. h*W+G-1 of the token's qkv), read as a tile of q_rows rows.
+    in_group = jax.lax.broadcasted_iota(jnp.int32, (q_rows, half), 0) < G
+    q_tile = pl.ds(h * W, q_rows)
+    q = rotate(with_bias(load(qkv_ref, (t, q_tile), in_group), q_tile, in_group), q_norm_ref, cos_t, sin_t)
+
+    @pl.when(writes)
+    def _write_own_kv():   # the token's own k (rotated) and v into the pool, where later steps read them
+        k = rotate(with_bias(load(qkv_ref, (one, k_row)), pl.ds(k_row, 1)), k_norm_ref, cos_t, sin_t)  # [1, hd/2]
+        v = with_bias(load(qkv_ref, (one, v_row)), pl.ds(v_row, 1))
+        dst = (layer, slot // block_size, pl.ds(slot % block_size, 1), h)
+        for ref, x in ((k_out_ref, k), (v_out_ref, v)):
+            for part, xi in zip(halves, x):
+                plgpu.store(ref.at[(*dst, part)], xi.astype(ref.dtype))
+
+    def attend(carry, k, v, visible):
+        """One online-softmax update: keys k and values v as halves [n, hd/2], `visible` [q_rows, n]."""
+        o1, o2, m, l = carry
+        s = sum(jax.lax.dot_general(qi, ki.astype(dtype), (((1,), (1,)), ((), ())),
+                                    preferred_element_type=jnp.float32) for qi, ki in zip(q, k)) * scale
+        s = jnp.where(visible, s, -1e30)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        correction = jnp.exp(m - m_new)
+        p = jnp.exp(s - m_new[:, None])
+        l = l * correction + jnp.sum(p, axis=1)
+        o1, o2 = (oi * correction[:, None] + jax.lax.dot_general(
+            p.astype(dtype), vi.astype(dtype), (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+            for oi, vi in zip((o1, o2), v))
+        return o1, o2, m_new, l
+
+    # (1) the keys before p0, in the pool: the row's pages, `pages_per_iter` at a time.
+    keys = pages_per_iter * block_size
+    num_pages = jnp.where(pos >= 0, jnp.minimum(pl.cdiv(p0, block_size), max_blocks), 0)
+
+    def pages(j, carry):
+        table_idx = j * pages_per_iter + jax.lax.broadcasted_iota(jnp.int32, (pages_per_iter,), 0)
+        blocks = jnp.maximum(tables_ref[row, pl.ds(j * pages_per_iter, pages_per_iter)], 0)
+        blocks = jnp.where(table_idx < num_pages, blocks, 0)
+        k = tuple(k_ref[layer, blocks, :, h, part].reshape(keys, half) for part in halves)
+        v = tuple(v_ref[layer, blocks, :, h, part].reshape(keys, half) for part in halves)
+        key_pos = j * keys + jax.lax.broadcasted_iota(jnp.int32, (q_rows, keys), 1)
+        return attend(carry, k, v, key_pos < p0)
+
+    # (2) this step's keys, p0 .. pos: the row's tokens first .. t of qkv, `chunk` at a time, rotated here.
+    def in_step(j, carry):
+        start = first + j * chunk
+        rows = pl.ds(start, chunk)
+        mine = start + jax.lax.broadcasted_iota(jnp.int32, (chunk, half), 0) <= t
+        cos, sin = (plgpu.load(ref.at[rows, :], mask=mine, other=0.0) for ref in (cos_ref, sin_ref))
+        k = rotate(with_bias(load(qkv_ref, (rows, k_row), mine), pl.ds(k_row, 1)), k_norm_ref, cos, sin)
+        v = with_bias(load(qkv_ref, (rows, v_row), mine), pl.ds(v_row, 1))
+        visible = start + jax.lax.broadcasted_iota(jnp.int32, (q_rows, chunk), 1) <= t
+        return attend(carry, k, v, visible)
+
+    zeros = jnp.zeros((q_rows, half), jnp.float32)
+    carry = (zeros, zeros, jnp.full((q_rows,), -1e30, jnp.float32), jnp.zeros((q_rows,), jnp.float32))
+    carry = jax.lax.fori_loop(0, pl.cdiv(num_pages, pages_per_iter), pages, carry)
+    carry = jax.lax.fori_loop(0, jnp.where(pos >= 0, pl.cdiv(t - first + 1, chunk), 0), in_step, carry)
+    o1, o2, m, l = carry
+    total = jnp.maximum(l, 1e-30)[:, None]      # padding visits no key: 0, never NaN
+    for part, oi in zip(halves, (o1, o2)):
+        plgpu.store(o_ref.at[t, pl.ds(h * G, q_rows), part], (oi / total).astype(o_ref.dtype), mask=in_group)
+
+
+@functools.partial(jax.jit, static_argnames=("num_heads", "block_size", "eps", "interpret"))
+def paged_attention_fused(qkv, k_pool, v_pool, layer, cos, sin, positions, slot_mapping, first_in_step,
+                          row_of_token, block_tables, bias=None, q_norm=None, k_norm=None, weight_layer=0, *,
+                          num_heads: int, block_size: int, eps: float = 1e-6, interpret: bool | None = None):
+    """Attention with the rotary embedding and the KV write inside, for a step whose rows' tokens are contiguous.
+
+    qkv [T, Hkv*(G+2)*hd]: the q/k/v projection (for each kv head its G query heads, then k, then v), before
+    the bias, q/k norms and rotary; k_pool/v_pool [L, S, Hkv, hd] and `layer`; cos/sin f32 [T, hd/2] of each
+    token's position; positions, slot_mapping (>= S: writes nothing, and the token is padding), first_in_step
+    (index in T of the token's row's first token this step), row_of_token [T]; block_tables [R, MB]; bias
+    [Lw, Hkv*(G+2)*hd] and q_norm/k_norm [Lw, hd] stacked over layers, this layer's at `weight_layer`.
+    -> (out [T, Hq*hd], k_pool, v_pool with this step's k/v written)."""
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    T = qkv.shape[0]
+    L, S, Hkv, hd = k_pool.shape
+    G = num_heads // Hkv
+    W = G + 2
+    q_rows = max(_MIN_ROWS, _next_pow2(G))
+    chunk = max(_MIN_ROWS, min(64, _next_pow2(T)))      # this step's keys per iteration
+    qkv = qkv.reshape(T, Hkv * W, hd)
+    # On a GPU masked lanes touch no memory; the interpreter slices instead (clamping slices that run past the
+    # end), so there qkv, cos and sin get spare tokens and head rows.
+    spare_t, spare_r = (chunk, q_rows) if interpret else (0, 0)
+    pad = lambda x, *widths: jnp.pad(x, [(0, w) for w in widths]) if interpret else x   # noqa: E731
+    pages = (L, S // block_size, block_size, Hkv, hd)
+    R, MB = block_tables.shape
+    P = min(PAGES_PER_ITER, _next_pow2(MB))
+    MBp = -(-MB // P) * P
+    if MBp != MB:
+        block_tables = jnp.pad(block_tables, ((0, 0), (0, MBp - MB)), constant_values=-1)
+    extra = []
+    if bias is not None:
+        extra.append(pad(bias.reshape(-1, Hkv * W, hd), 0, spare_r, 0))
+    if q_norm is not None:
+        extra += [q_norm, k_norm]
+    kernel = functools.partial(
+        _fused_kernel, block_size=block_size, max_blocks=MB, num_kv_slots=S, scale=hd ** -0.5, group=G,
+        q_rows=q_rows, chunk=chunk, pages_per_iter=P, has_bias=bias is not None, has_norm=q_norm is not None,
+        eps=eps)
+    whole = lambda shape: pl.BlockSpec(shape, lambda t, h: (0,) * len(shape))  # noqa: E731
+    ints = [jnp.reshape(layer, (1,)), jnp.reshape(weight_layer, (1,)), positions, slot_mapping, first_in_step,
+            row_of_token, block_tables]
+    ins = [x.astype(jnp.int32) for x in ints] + [pad(qkv, spare_t, spare_r, 0), pad(cos, spare_t, 0),
+                                                 pad(sin, spare_t, 0), *extra, k_pool.reshape(pages),
+                                                 v_pool.reshape(pages)]
+    out_shape = [jax.ShapeDtypeStruct((T, num_heads + spare_r, hd), qkv.dtype),
+                 jax.ShapeDtypeStruct(pages, k_pool.dtype), jax.ShapeDtypeStruct(pages, v_pool.dtype)]
+    params = {} if interpret else dict(compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2))
+    out, k_new, v_new = pl.pallas_call(
+        kernel,
+        grid=(T, Hkv),
+        in_specs=[whole(x.shape) for x in ins],
+        out_specs=[whole(o.shape) for o in out_shape],
+        out_shape=out_shape,
+        input_output_aliases={len(ins) - 2: 1, len(ins) - 1: 2},
+        interpret=interpret,
+        name="paged_attention_fused",
+        **params,
+    )(*ins)
+    return out[:, :num_heads].reshape(T, num_heads * hd), k_new.reshape(k_pool.shape), v_new.reshape(v_pool.shape)
+
+
+def fused_attention_fn(c, lp, qkv, k_pool, v_pool, layer, batch, block_size: int):
+    """`Ops.attend_qkv` over the fused kernel: the layer's q/k/v projection qkv [T, Hkv*(G+2)*hd] (before bias,
+    norms and rotary) -> (out [T, Hq*hd], k_pool, v_pool with this step's k/v written)."""
+    from jaxspec.nn.ops import rope_inv_freq
+    from jaxspec.pallas.gemv import _stacked
+    angles = batch.positions.astype(jnp.float32)[:, None] * rope_inv_freq(c)[None, :]          # [T, hd/2]
+    bias, weight_layer = _stacked(lp, "qkv_bias") if "qkv_bias" in lp else (None, 0)
+    q_norm, k_norm = (_stacked(lp, "q_norm")[0], _stacked(lp, "k_norm")[0]) if "q_norm" in lp else (None, None)
+    if q_norm is not None:
+        weight_layer = _stacked(lp, "q_norm")[1]
+    return paged_attention_fused(qkv, k_pool, v_pool, jnp.asarray(layer, jnp.int32), jnp.cos(angles),
+                                 jnp.sin(angles), batch.positions, batch.slot_mapping, batch.first_in_step,
+                                 batch.row_of_token, batch.block_tables, bias, q_norm, k_norm,
+                                 jnp.asarray(weight_layer, jnp.int32), num_heads=c.num_heads,
+                                 block_size=block_size, eps=c.rms_norm_eps)

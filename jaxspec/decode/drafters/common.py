@@ -40,7 +40,7 @@ def one_token_batch(ids, positions, valid, block_tables, block_size: int, num_kv
     rows = jnp.arange(R, dtype=jnp.int32)
     slots = kv_slots_for(positions, rows, valid, block_tables, block_size, num_kv_slots)
     return ForwardBatch(ids, jnp.maximum(positions, 0), slots, rows, block_tables, rows, slot_of_row=slot,
-                        first_token_of_row=rows, writes_state=valid)
+                        first_token_of_row=rows, writes_state=valid, first_in_step=rows)
 
 
 def pick_drafts(logits, ctx, j, draft_sampling: str, grammar_state=None):
