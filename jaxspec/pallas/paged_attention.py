@@ -186,7 +186,8 @@ def _fused_kernel(layer_ref, wlayer_ref, pos_ref, slot_ref, first_ref, row_ref, 
 
     def load(ref, idx, mask=None):
         """f32 halves of `ref` at the leading indices `idx` (its last axis is head_dim)."""
-        return tuple(plgpu.load(ref.at[(*idx, part)], mask=mask, other=0.0).astype(jnp.float32) for part in halves)
+        kw = {} if mask is None else dict(mask=mask, other=0.0)
+        return tuple(plgpu.load(ref.at[(*idx, part)], **kw).astype(jnp.float32) for part in halves)
 
     def with_bias(x, rows, mask=None):
         """qkv rows + the bias (in the model's dtype, as the unfused layer adds it)."""

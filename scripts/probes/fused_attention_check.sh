@@ -1,5 +1,5 @@
 # The attention kernel with rotary and the KV write inside (JAXSPEC_FUSED_ATTENTION=1, the default) against the
-# separate kernels (=0), GPU, one setting per call: its kernel test compiled for the GPU (float32), greedy digests,
+# separate kernels (=0), GPU, one setting per call: the kernel against the separate kernels (scripts/probes/fused_attention_exact.py), the kernel tests compiled for the GPU, greedy digests,
 # the step profile and the bench's TPOT at batch 1 / 8 / 32. Full logs under $OUT.
 #   FUSED=1 bash scripts/probes/fused_attention_check.sh [model]
 export PYTHONPATH=$PWD
@@ -9,8 +9,9 @@ quiet() { grep -v "^W0\|^I0\|Warning"; }
 for f in ${FUSED:-1 0}; do
   echo "=== JAXSPEC_FUSED_ATTENTION=$f"
   if [ "$f" = 1 ]; then
+    python3 scripts/probes/fused_attention_exact.py 2>&1 | quiet | grep "diff\|Error"
     JAX_PLATFORMS=cuda python3 -m pytest -q -p no:xdist -p no:cacheprovider -o addopts="" \
-      tests/test_paged_attention.py 2>&1 | tail -25 > $O/pytest_gpu.log; tail -3 $O/pytest_gpu.log
+      tests/test_paged_attention.py > $O/pytest_gpu.log 2>&1; tail -1 $O/pytest_gpu.log
   fi
   JAXSPEC_FUSED_ATTENTION=$f python3 scripts/probes/update_mode_exact.py $M 2>&1 | grep digest
   JAXSPEC_FUSED_ATTENTION=$f python3 scripts/profile_step.py --model $M --batches 1 8 32 --sequence 32 2>&1 | quiet \
