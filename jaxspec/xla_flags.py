@@ -7,8 +7,10 @@ was allocated between two steps (the next step's input transfer, the copy of the
 re-recording, issued behind the running step, held the host 1-2 ms per step on an H100. In this mode XLA learns
 which allocations move over its first executions and gives them fixed virtual addresses (VMM remapping): no
 re-recording after that, and the step's host call behind a running step took 1.0 ms instead of 2.7 ms
-(docs/benchmarks.md). Not yet the default: that the engine's outputs are unchanged under it and its effect on the
-whole loop are unmeasured (scripts/probes/update_mode_exact.py, scripts/profile_step.py).
+(docs/benchmarks.md). Measured with the engine (scripts/probes/update_mode_check.sh, H100): outputs bit-identical,
+the host's launch of a step 0.5 ms instead of 1.0-1.4 ms, but the engine loop is bound by the device and ran no
+faster (1.63 ms per step either way at batch 1 and 8), and one bench run each gave TPOT 2.21 / 2.04 / 2.37 ms with
+it against 2.00 / 2.03 / 2.30 ms without (batch 1 / 8 / 32). Opt-in until a loop that the host bounds shows a gain.
 
 Set only where a CUDA plugin is installed, XLA_FLAGS does not already name the option, and jaxlib and the CUDA
 plugin (each parses XLA_FLAGS) both know the mode: its names changed between XLA versions, and XLA aborts on an

@@ -1,6 +1,7 @@
 """The engine's hot path: the host never waits for the device except to read the one step output it needs,
 and the compiled step's kernels stay few."""
 import functools
+import re
 import time
 
 import jax
@@ -140,6 +141,32 @@ def test_kernels_per_step_stay_few():
         counts[layers] = llm.engine.runner.kernels_per_step(8)
     per_layer = (counts[4] - counts[2]) / 2
     assert per_layer <= 29 and counts[2] <= 91, counts
+
+
+def test_gpu_step_attends_with_one_kernel_per_layer(monkeypatch):
+    """The GPU layout's step (Pallas attention, unrolled layers), lowered for CUDA here on the CPU: each attention
+    layer's rotary, KV write and attention are one kernel (jaxspec.pallas.paged_attention's fused one, a Triton
+    call), and no scatter, rotary concatenation or second attention kernel is left per layer."""
+    from jaxspec.decode.step import StepVariant
+    from jaxspec.pallas import paged_attention as pa
+    monkeypatch.setattr(pa, "paged_attention_fused", functools.partial(pa.paged_attention_fused, interpret=False))
+    counts = {}
+    for layers in (2, 4):
+        llm = LLM(random_model(0, num_layers=layers), max_num_seqs=2, max_model_len=32, max_num_batched_tokens=8,
+                  block_size=4, warmup=False, unroll_layers=True, attention="pallas")
+        runner = llm.engine.runner
+        buf = runner.new_inputs(8).pack()
+        traced = runner.step_fn(8, StepVariant()).trace(runner.params, runner.drafter_params, runner.state, buf,
+                                                        runner.new_outbox(8, StepVariant()))
+        text = traced.lower(lowering_platforms=("cuda",)).as_text()
+        counts[layers] = {op: len(re.findall(pattern, text)) for op, pattern in (
+            ("fused", r"call @paged_attention_fused\("), ("attention", r"call @paged_attention\("),
+            ("triton", r'name = "paged_attention_fused"'),
+            ("scatter", r"stablehlo\.scatter"), ("concatenate", r"stablehlo\.concatenate"))}
+    assert counts[2]["fused"] == 2 and counts[4]["fused"] == 4 and counts[2]["triton"] == 1, counts
+    assert counts[2]["attention"] == counts[4]["attention"] == 0, counts
+    for op in ("scatter", "concatenate"):
+        assert counts[4][op] == counts[2][op], counts   # none per layer
 
 
 def test_every_step_call_sees_the_same_buffers(monkeypatch):
