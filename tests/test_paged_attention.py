@@ -103,11 +103,13 @@ def _fused_case(qkv_bias: bool, qk_norm: bool, seed: int = 0):
     return cfg, lp, qkv, pool(), pool(), batch, bs
 
 
-@pytest.mark.parametrize("qkv_bias,qk_norm", [(True, False), (False, True)])
-def test_fused_attention_matches_rotary_write_and_attention(qkv_bias, qk_norm):
+@pytest.mark.parametrize("qkv_bias,qk_norm,num_splits", [(True, False, None), (False, True, 1)])
+def test_fused_attention_matches_rotary_write_and_attention(qkv_bias, qk_norm, num_splits):
     """The kernel with rotary, q/k norms, bias and the KV write inside gives the unfused layer's output and pool:
     keys of this step read from the projection, earlier keys from the pool, padding writing and seeing nothing.
-    Layer 1 of two, its weights at index 1 of their stacks."""
+    Layer 1 of two, its weights at index 1 of their stacks. One program per token and kv head (num_splits=1), and
+    the 15-token step's default of 8 programs sharing each context (pages split between them, the step's own
+    keys in the last one)."""
     from jaxspec.nn.layers import split_qkv, write_kv
     from jaxspec.pallas.gemv import LayerWeights
     from jaxspec.pallas.paged_attention import fused_attention_fn
@@ -118,7 +120,7 @@ def test_fused_attention_matches_rotary_write_and_attention(qkv_bias, qk_norm):
     kv = write_kv({"k": k_pool, "v": v_pool}, layer, batch, k, v)
     want = paged_attention_reference(q, kv["k"], kv["v"], layer, batch, bs)
     want = jnp.where((batch.slot_mapping < k_pool.shape[1])[:, None], want, 0)   # padding: 0
-    out, k_new, v_new = fused_attention_fn(cfg, lp, qkv, k_pool, v_pool, layer, batch, bs)
+    out, k_new, v_new = fused_attention_fn(cfg, lp, qkv, k_pool, v_pool, layer, batch, bs, num_splits)
     np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=2e-5, atol=2e-5)
     np.testing.assert_allclose(np.asarray(k_new), np.asarray(kv["k"]), rtol=1e-6, atol=1e-6)
     np.testing.assert_array_equal(np.asarray(v_new), np.asarray(kv["v"]))

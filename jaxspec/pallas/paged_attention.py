@@ -166,12 +166,13 @@ def paged_attention_fn(q, k_pool, v_pool, layer, batch, block_size: int):
 
 def _fused_kernel(layer_ref, wlayer_ref, pos_ref, slot_ref, first_ref, row_ref, tables_ref, qkv_ref, cos_ref,
                   sin_ref, *refs, block_size: int, max_blocks: int, num_kv_slots: int, scale: float, group: int,
-                  q_rows: int, chunk: int, pages_per_iter: int, has_bias: bool, has_norm: bool, eps: float):
+                  q_rows: int, chunk: int, pages_per_iter: int, num_splits: int, has_bias: bool, has_norm: bool,
+                  eps: float):
     refs = list(refs)
     bias_ref = refs.pop(0) if has_bias else None
     q_norm_ref, k_norm_ref = (refs.pop(0), refs.pop(0)) if has_norm else (None, None)
-    k_ref, v_ref, o_ref, k_out_ref, v_out_ref = refs
-    t, h = pl.program_id(0), pl.program_id(1)
+    k_ref, v_ref, *out_refs, k_out_ref, v_out_ref = refs
+    t, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     layer, wlayer, slot, row = layer_ref[0], wlayer_ref[0], slot_ref[t], row_ref[t]
     writes = slot < num_kv_slots
     pos = jnp.where(writes, pos_ref[t], -1)          # a token that writes no KV is padding: it sees no key
@@ -216,7 +217,7 @@ def _fused_kernel(layer_ref, wlayer_ref, pos_ref, slot_ref, first_ref, row_ref, 
     q_tile = pl.ds(h * W, q_rows)
     q = rotate(with_bias(load(qkv_ref, (t, q_tile), in_group), q_tile, in_group), q_norm_ref, cos_t, sin_t)
 
-    @pl.when(writes)
+    @pl.when(writes & (split == 0))
     def _write_own_kv():   # the token's own k (rotated) and v into the pool, where later steps read them
         k = rotate(with_bias(load(qkv_ref, (one, k_row)), pl.ds(k_row, 1)), k_norm_ref, cos_t, sin_t)  # [1, hd/2]
         v = with_bias(load(qkv_ref, (one, v_row)), pl.ds(v_row, 1))
@@ -240,7 +241,7 @@ def _fused_kernel(layer_ref, wlayer_ref, pos_ref, slot_ref, first_ref, row_ref, 
             for oi, vi in zip((o1, o2), v))
         return o1, o2, m_new, l
 
-    # (1) the keys before p0, in the pool: the row's pages, `pages_per_iter` at a time.
+    # (1) the keys before p0, in the pool: the row's pages, `pages_per_iter` at a time, this split's share of them.
     keys = pages_per_iter * block_size
     num_pages = jnp.where(pos >= 0, jnp.minimum(pl.cdiv(p0, block_size), max_blocks), 0)
 
@@ -266,25 +267,53 @@ def _fused_kernel(layer_ref, wlayer_ref, pos_ref, slot_ref, first_ref, row_ref, 
 
     zeros = jnp.zeros((q_rows, half), jnp.float32)
     carry = (zeros, zeros, jnp.full((q_rows,), -1e30, jnp.float32), jnp.zeros((q_rows,), jnp.float32))
-    carry = jax.lax.fori_loop(0, pl.cdiv(num_pages, pages_per_iter), pages, carry)
-    carry = jax.lax.fori_loop(0, jnp.where(pos >= 0, pl.cdiv(t - first + 1, chunk), 0), in_step, carry)
+    num_iters = pl.cdiv(num_pages, pages_per_iter)
+    per_split = pl.cdiv(num_iters, num_splits)
+    begin = split * per_split
+    carry = jax.lax.fori_loop(begin, jnp.maximum(jnp.minimum(begin + per_split, num_iters), begin), pages, carry)
+    # (2), this step's own keys, is the last split's share
+    in_step_iters = jnp.where((pos >= 0) & (split == num_splits - 1), pl.cdiv(t - first + 1, chunk), 0)
+    carry = jax.lax.fori_loop(0, in_step_iters, in_step, carry)
     o1, o2, m, l = carry
-    total = jnp.maximum(l, 1e-30)[:, None]      # padding visits no key: 0, never NaN
-    for part, oi in zip(halves, (o1, o2)):
-        plgpu.store(o_ref.at[t, pl.ds(h * G, q_rows), part], (oi / total).astype(o_ref.dtype), mask=in_group)
+    total = jnp.maximum(l, 1e-30)[:, None]      # a split (or padding token) that visits no key: 0, never NaN
+    if num_splits == 1:
+        (o_ref,) = out_refs
+        for part, oi in zip(halves, (o1, o2)):
+            plgpu.store(o_ref.at[t, pl.ds(h * G, q_rows), part], (oi / total).astype(o_ref.dtype), mask=in_group)
+    else:   # this split's normalized output, max and sum; `_merge_splits` combines the splits
+        o_ref, m_ref, l_ref = out_refs
+        for part, oi in zip(halves, (o1, o2)):
+            plgpu.store(o_ref.at[t, split, pl.ds(h * G, q_rows), part], oi / total, mask=in_group)
+        rows_in_group = jax.lax.broadcasted_iota(jnp.int32, (q_rows,), 0) < G
+        plgpu.store(m_ref.at[t, split, pl.ds(h * G, q_rows)], m, mask=rows_in_group)
+        plgpu.store(l_ref.at[t, split, pl.ds(h * G, q_rows)], l, mask=rows_in_group)
 
 
-@functools.partial(jax.jit, static_argnames=("num_heads", "block_size", "eps", "interpret"))
+def fused_splits(num_tokens: int) -> int:
+    """Programs that share one token's context in the fused kernel. A decode step has one real token per row, and
+    one program walking a 200-token context page by page took 9-14 us per layer on an H100 (a dependent loop of
+    loads, the GPU nearly idle): split, each program takes one page per iteration and the splits are merged
+    after. Larger steps have programs enough, and the merge's [T, splits, H, hd] buffer grows with T."""
+    return max(1, min(FUSED_MAX_SPLITS, FUSED_SPLIT_PROGRAMS // num_tokens))
+
+
+FUSED_MAX_SPLITS = 16
+FUSED_SPLIT_PROGRAMS = 128     # tokens x splits the split count aims at (8 tokens: 16 splits; >= 128 tokens: 1)
+
+
+@functools.partial(jax.jit, static_argnames=("num_heads", "block_size", "eps", "num_splits", "interpret"))
 def paged_attention_fused(qkv, k_pool, v_pool, layer, cos, sin, positions, slot_mapping, first_in_step,
                           row_of_token, block_tables, bias=None, q_norm=None, k_norm=None, weight_layer=0, *,
-                          num_heads: int, block_size: int, eps: float = 1e-6, interpret: bool | None = None):
+                          num_heads: int, block_size: int, eps: float = 1e-6, num_splits: int | None = None,
+                          interpret: bool | None = None):
     """Attention with the rotary embedding and the KV write inside, for a step whose rows' tokens are contiguous.
 
     qkv [T, Hkv*(G+2)*hd]: the q/k/v projection (for each kv head its G query heads, then k, then v), before
     the bias, q/k norms and rotary; k_pool/v_pool [L, S, Hkv, hd] and `layer`; cos/sin f32 [T, hd/2] of each
     token's position; positions, slot_mapping (>= S: writes nothing, and the token is padding), first_in_step
     (index in T of the token's row's first token this step), row_of_token [T]; block_tables [R, MB]; bias
-    [Lw, Hkv*(G+2)*hd] and q_norm/k_norm [Lw, hd] stacked over layers, this layer's at `weight_layer`.
+    [Lw, Hkv*(G+2)*hd] and q_norm/k_norm [Lw, hd] stacked over layers, this layer's at `weight_layer`;
+    num_splits: programs sharing a token's context (None: `fused_splits(T)`).
     -> (out [T, Hq*hd], k_pool, v_pool with this step's k/v written)."""
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
@@ -301,7 +330,8 @@ def paged_attention_fused(qkv, k_pool, v_pool, layer, cos, sin, positions, slot_
     pad = lambda x, *widths: jnp.pad(x, [(0, w) for w in widths]) if interpret else x   # noqa: E731
     pages = (L, S // block_size, block_size, Hkv, hd)
     R, MB = block_tables.shape
-    P = min(PAGES_PER_ITER, _next_pow2(MB))
+    NS = fused_splits(T) if num_splits is None else num_splits
+    P = min(PAGES_PER_ITER if NS == 1 else 1, _next_pow2(MB))
     MBp = -(-MB // P) * P
     if MBp != MB:
         block_tables = jnp.pad(block_tables, ((0, 0), (0, MBp - MB)), constant_values=-1)
@@ -312,32 +342,38 @@ def paged_attention_fused(qkv, k_pool, v_pool, layer, cos, sin, positions, slot_
         extra += [q_norm, k_norm]
     kernel = functools.partial(
         _fused_kernel, block_size=block_size, max_blocks=MB, num_kv_slots=S, scale=hd ** -0.5, group=G,
-        q_rows=q_rows, chunk=chunk, pages_per_iter=P, has_bias=bias is not None, has_norm=q_norm is not None,
-        eps=eps)
-    whole = lambda shape: pl.BlockSpec(shape, lambda t, h: (0,) * len(shape))  # noqa: E731
+        q_rows=q_rows, chunk=chunk, pages_per_iter=P, num_splits=NS, has_bias=bias is not None,
+        has_norm=q_norm is not None, eps=eps)
+    whole = lambda shape: pl.BlockSpec(shape, lambda t, h, s: (0,) * len(shape))  # noqa: E731
     ints = [jnp.reshape(layer, (1,)), jnp.reshape(weight_layer, (1,)), positions, slot_mapping, first_in_step,
             row_of_token, block_tables]
     ins = [x.astype(jnp.int32) for x in ints] + [pad(qkv, spare_t, spare_r, 0), pad(cos, spare_t, 0),
                                                  pad(sin, spare_t, 0), *extra, k_pool.reshape(pages),
                                                  v_pool.reshape(pages)]
-    out_shape = [jax.ShapeDtypeStruct((T, num_heads + spare_r, hd), qkv.dtype),
-                 jax.ShapeDtypeStruct(pages, k_pool.dtype), jax.ShapeDtypeStruct(pages, v_pool.dtype)]
+    H = num_heads + spare_r
+    if NS == 1:
+        out_shape = [jax.ShapeDtypeStruct((T, H, hd), qkv.dtype)]
+    else:
+        out_shape = [jax.ShapeDtypeStruct((T, NS, H, hd), jnp.float32), jax.ShapeDtypeStruct((T, NS, H), jnp.float32),
+                     jax.ShapeDtypeStruct((T, NS, H), jnp.float32)]
+    out_shape += [jax.ShapeDtypeStruct(pages, k_pool.dtype), jax.ShapeDtypeStruct(pages, v_pool.dtype)]
     params = {} if interpret else dict(compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2))
-    out, k_new, v_new = pl.pallas_call(
+    *outs, k_new, v_new = pl.pallas_call(
         kernel,
-        grid=(T, Hkv),
+        grid=(T, Hkv, NS),
         in_specs=[whole(x.shape) for x in ins],
         out_specs=[whole(o.shape) for o in out_shape],
         out_shape=out_shape,
-        input_output_aliases={len(ins) - 2: 1, len(ins) - 1: 2},
+        input_output_aliases={len(ins) - 2: len(out_shape) - 2, len(ins) - 1: len(out_shape) - 1},
         interpret=interpret,
         name="paged_attention_fused",
         **params,
     )(*ins)
+    out = outs[0] if NS == 1 else _merge_splits(*outs).astype(qkv.dtype)
     return out[:, :num_heads].reshape(T, num_heads * hd), k_new.reshape(k_pool.shape), v_new.reshape(v_pool.shape)
 
 
-def fused_attention_fn(c, lp, qkv, k_pool, v_pool, layer, batch, block_size: int):
+def fused_attention_fn(c, lp, qkv, k_pool, v_pool, layer, batch, block_size: int, num_splits: int | None = None):
     """`Ops.attend_qkv` over the fused kernel: the layer's q/k/v projection qkv [T, Hkv*(G+2)*hd] (before bias,
     norms and rotary) -> (out [T, Hq*hd], k_pool, v_pool with this step's k/v written)."""
     from jaxspec.nn.ops import rope_inv_freq
@@ -351,4 +387,4 @@ def fused_attention_fn(c, lp, qkv, k_pool, v_pool, layer, batch, block_size: int
                                  jnp.sin(angles), batch.positions, batch.slot_mapping, batch.first_in_step,
                                  batch.row_of_token, batch.block_tables, bias, q_norm, k_norm,
                                  jnp.asarray(weight_layer, jnp.int32), num_heads=c.num_heads,
-                                 block_size=block_size, eps=c.rms_norm_eps)
+                                 block_size=block_size, eps=c.rms_norm_eps, num_splits=num_splits)
