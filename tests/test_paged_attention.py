@@ -68,16 +68,16 @@ def test_padding_tokens_visit_no_page_and_stay_finite(num_splits):
     assert np.all(out[[1, 3]] == 0)
 
 
-def _fused_case(qkv_bias: bool, qk_norm: bool, seed: int = 0):
+def _fused_case(qkv_bias: bool, qk_norm: bool, seed: int = 0, block_size: int = 4, head_dim: int = 32):
     """A ragged step on a pool that already holds earlier steps' KV: row 0 a prefill chunk after a cached
     prefix, row 1 a verify segment of 4 tokens, rows 2-3 single decode tokens (row 3 at position 0), then two
     padding tokens (slot past the pool)."""
     from jaxspec.models.config import ModelConfig
     cfg = ModelConfig(arch="qwen3" if qk_norm else "qwen2", vocab_size=64, hidden_size=32, intermediate_size=64,
-                      num_layers=2, num_heads=6, num_kv_heads=2, head_dim=32,
+                      num_layers=2, num_heads=6, num_kv_heads=2, head_dim=head_dim,
                       rope_theta=500.0)
     rng = np.random.default_rng(seed)
-    bs, num_blocks, L, Hkv, hd = 4, 32, 2, 2, 32
+    bs, num_blocks, L, Hkv, hd = block_size, 32, 2, 2, head_dim
     S = num_blocks * bs
     tables = rng.permutation(num_blocks)[:16].reshape(4, 4).astype(np.int32)
     rows_spec = [(0, 5, 7), (1, 9, 4), (2, 13, 1), (3, 0, 1)]     # (row, first position this step, tokens)

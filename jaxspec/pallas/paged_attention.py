@@ -331,7 +331,8 @@ def paged_attention_fused(qkv, k_pool, v_pool, layer, cos, sin, positions, slot_
     pages = (L, S // block_size, block_size, Hkv, hd)
     R, MB = block_tables.shape
     NS = fused_splits(T) if num_splits is None else num_splits
-    P = min(PAGES_PER_ITER if NS == 1 else 1, _next_pow2(MB))
+    # split: a page per iteration, or as many as make the matrix unit's 16 keys (small pages)
+    P = min(PAGES_PER_ITER if NS == 1 else max(1, _MIN_ROWS // block_size), _next_pow2(MB))
     MBp = -(-MB // P) * P
     if MBp != MB:
         block_tables = jnp.pad(block_tables, ((0, 0), (0, MBp - MB)), constant_values=-1)
