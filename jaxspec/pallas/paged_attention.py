@@ -163,7 +163,9 @@ def paged_attention_fn(q, k_pool, v_pool, layer, batch, block_size: int):
 # token's own position are this step's, read from the projection itself (rows first..t of qkv, rotated again
 # by each reader). That needs the batch's rows contiguous at consecutive positions with every token writing
 # its KV (`ForwardBatch.first_in_step`), which the engine's step batches are. Rotary pairs element j with
-# j + hd/2, so every head row is handled as its two halves (two dots of hd/2 instead of one of hd).
+# j + hd/2, so every head row is handled as its two halves (two dots of hd/2 instead of one of hd). A
+# decode-sized step also splits each token's pages over several programs (`fused_splits`; split 0 writes the
+# KV, the last split takes the step's own keys) and merges the splits after, as flash-decoding does.
 
 def _fused_kernel(layer_ref, wlayer_ref, pos_ref, slot_ref, first_ref, row_ref, tables_ref, qkv_ref, cos_ref,
                   sin_ref, *refs, block_size: int, max_blocks: int, num_kv_slots: int, scale: float, group: int,
