@@ -202,7 +202,7 @@ class Attention:
         eps, kernel = c.rms_norm_eps, ops.gemv
         qkv = linear(h, lp, "qkv_proj", norm="attn_norm", eps=eps, kernel="qkv_proj" in kernel)  # [T, Hkv*(G+2)*hd]
         out, kv = attend_qkv(c, ops, lp, qkv, kv, i, batch)                                  # [T, Hq*hd]
-        h = linear(out.astype(h.dtype), lp, "o_proj", residual=h, kernel="o_proj" in kernel)                  # h + attention
+        h = linear(out.astype(h.dtype), lp, "o_proj", residual=h, kernel="o_proj" in kernel)  # h + attention
         act = linear(h, lp, "gate_up_proj", norm="mlp_norm", eps=eps, kernel="gate_up_proj" in kernel)  # [T, F]
         return linear(act, lp, "down_proj", residual=h, kernel="down_proj" in kernel), kv      # h + mlp
 

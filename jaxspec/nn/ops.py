@@ -213,7 +213,8 @@ class Ops:
 
     def fuses_kv_write(self, batch: ForwardBatch) -> bool:
         """Whether `attend_qkv` runs the kernel with the rotary embedding and the KV write inside: the Pallas
-        attention on one device, one context split, and a batch that says where each row's step begins."""
+        attention on one device, and a batch that says where each row's step begins. A NUM_SPLITS other than 1
+        (the unfused kernel's, set by profile_step's --attention-splits to measure it) keeps the unfused one."""
         from jaxspec.pallas import paged_attention as pa
         return (self.fused_attention and self.attention == "pallas" and self.tp is None and pa.NUM_SPLITS == 1
                 and batch.first_in_step is not None)

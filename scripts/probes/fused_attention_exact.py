@@ -31,7 +31,8 @@ for dtype, (bias, norm), splits in itertools.product((jnp.bfloat16, jnp.float32)
         out, k_new, v_new = fused_attention_fn(cfg, lp, qkv, k_pool, v_pool, 1, batch, bs, splits)
         d = np.abs(np.asarray(out, np.float32) - np.asarray(want, np.float32))
         dk = np.abs(np.asarray(k_new, np.float32) - np.asarray(kv["k"], np.float32))
-        print(f"{jnp.dtype(dtype).name} bias={bias} qk_norm={norm} splits={splits or 'auto'}: output max |diff| {d.max():.3g} (mean "
+        print(f"{jnp.dtype(dtype).name} bias={bias} qk_norm={norm} splits={splits or 'auto'}: "
+              f"output max |diff| {d.max():.3g} (mean "
               f"{d.mean():.3g}, output mean |x| {np.abs(np.asarray(want, np.float32)).mean():.3g}); k pool max |diff| "
               f"{dk.max():.3g}, {int((dk > 0).sum())} entries differ; v pool equal: "
               f"{bool(np.array_equal(np.asarray(v_new), np.asarray(kv['v'])))}", flush=True)
