@@ -59,11 +59,17 @@ def rope_inv_freq(config) -> jax.Array:
     return inv_freq
 
 
+def rope_cos_sin(positions, inv_freq):
+    """f32 cos and sin [T, hd/2] of each position's rotary angles (the fused attention kernel takes these)."""
+    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]     # [T, hd/2]
+    return jnp.cos(angles), jnp.sin(angles)
+
+
 def apply_rope(x, positions, inv_freq):
     """x [T, H, hd] rotated by position (the rotate-half layout of HF checkpoints)."""
-    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]     # [T, hd/2]
-    cos = jnp.concatenate([jnp.cos(angles)] * 2, axis=-1)[:, None, :]       # [T, 1, hd]
-    sin = jnp.concatenate([jnp.sin(angles)] * 2, axis=-1)[:, None, :]
+    cos, sin = rope_cos_sin(positions, inv_freq)
+    cos = jnp.concatenate([cos] * 2, axis=-1)[:, None, :]                   # [T, 1, hd]
+    sin = jnp.concatenate([sin] * 2, axis=-1)[:, None, :]
     x32 = x.astype(jnp.float32)
     x1, x2 = jnp.split(x32, 2, axis=-1)
     rotated = jnp.concatenate([-x2, x1], axis=-1)

@@ -380,15 +380,15 @@ def paged_attention_fused(qkv, k_pool, v_pool, layer, cos, sin, positions, slot_
 def fused_attention_fn(c, lp, qkv, k_pool, v_pool, layer, batch, block_size: int, num_splits: int | None = None):
     """`Ops.attend_qkv` over the fused kernel: the layer's q/k/v projection qkv [T, Hkv*(G+2)*hd] (before bias,
     norms and rotary) -> (out [T, Hq*hd], k_pool, v_pool with this step's k/v written)."""
-    from jaxspec.nn.ops import rope_inv_freq
+    from jaxspec.nn.ops import rope_cos_sin, rope_inv_freq
     from jaxspec.pallas.gemv import _stacked
-    angles = batch.positions.astype(jnp.float32)[:, None] * rope_inv_freq(c)[None, :]          # [T, hd/2]
-    bias, weight_layer = _stacked(lp, "qkv_bias") if "qkv_bias" in lp else (None, 0)
-    q_norm, k_norm = (_stacked(lp, "q_norm")[0], _stacked(lp, "k_norm")[0]) if "q_norm" in lp else (None, None)
-    if q_norm is not None:
-        weight_layer = _stacked(lp, "q_norm")[1]
-    return paged_attention_fused(qkv, k_pool, v_pool, jnp.asarray(layer, jnp.int32), jnp.cos(angles),
-                                 jnp.sin(angles), batch.positions, batch.slot_mapping, batch.first_in_step,
-                                 batch.row_of_token, batch.block_tables, bias, q_norm, k_norm,
-                                 jnp.asarray(weight_layer, jnp.int32), num_heads=c.num_heads,
+    cos, sin = rope_cos_sin(batch.positions, rope_inv_freq(c))                                  # [T, hd/2]
+    # the layer's bias and q/k norms as whole stacks and its index in them (a sliced weight would be copied)
+    names = ("qkv_bias", "q_norm", "k_norm")
+    stacks = {name: _stacked(lp, name) for name in names if name in lp}
+    bias, q_norm, k_norm = (stacks.get(name, (None, 0))[0] for name in names)
+    weight_layer = next((index for _, index in stacks.values()), 0)      # one index: the layer's, in every stack
+    return paged_attention_fused(qkv, k_pool, v_pool, jnp.asarray(layer, jnp.int32), cos, sin, batch.positions,
+                                 batch.slot_mapping, batch.first_in_step, batch.row_of_token, batch.block_tables,
+                                 bias, q_norm, k_norm, jnp.asarray(weight_layer, jnp.int32), num_heads=c.num_heads,
                                  block_size=block_size, eps=c.rms_norm_eps, num_splits=num_splits)
