@@ -86,11 +86,39 @@ def _kernel(layer_ref, pos_ref, row_ref, tables_ref, q_ref, k_ref, v_ref, *out_r
         plgpu.store(l_ref.at[t, split, pl.ds(h * group, rows_q)], l, mask=in_group_rows)
 
 
-def _merge_splits(o, m, l):
-    """o [T, S, H, hd] (each split normalized by its own sum), m, l [T, S, H] -> [T, H, hd]."""
+def _merge_splits_reference(o, m, l):
+    """o [T, S, H, hd] (each split normalized by its own sum), m, l [T, S, H] -> [T, H, hd] f32."""
     weight = l * jnp.exp(m - jnp.max(m, axis=1, keepdims=True))          # [T, S, H]; empty splits weigh 0
     total = jnp.maximum(jnp.sum(weight, axis=1), 1e-30)
     return jnp.einsum("tsh,tshd->thd", weight, o) / total[..., None]
+
+
+def _merge_kernel(o_ref, m_ref, l_ref, out_ref):
+    t, h = pl.program_id(0), pl.program_id(1)
+    m, l = m_ref[t, :, h], l_ref[t, :, h]                                  # [S]
+    weight = l * jnp.exp(m - jnp.max(m))                                   # an empty split weighs 0
+    total = jnp.maximum(jnp.sum(weight), 1e-30)
+    out = jnp.sum(weight[:, None] * o_ref[t, :, h, :], axis=0) / total    # [hd]
+    out_ref[t, h, :] = out.astype(out_ref.dtype)
+
+
+# XLA compiles the reference merge to three kernels (two reductions and the weighted sum, 4.0 us a layer in a
+# batch-1 decode on an H100); one program per (token, head) does it in one (2.1 us). MERGE_KERNEL = False
+# keeps XLA's.
+MERGE_KERNEL = True
+
+
+def _merge_splits(o, m, l, num_heads: int, dtype, interpret: bool):
+    """The splits' outputs merged: o [T, S, H', hd], m, l [T, S, H'] -> [T, num_heads, hd] in `dtype`."""
+    if not MERGE_KERNEL or o.shape[1] & (o.shape[1] - 1):    # (the kernel's tile of splits is a power of two)
+        return _merge_splits_reference(o, m, l)[:, :num_heads].astype(dtype)
+    T, S, _, hd = o.shape
+    whole = lambda x: pl.BlockSpec(x.shape, lambda t, h: (0,) * x.ndim)  # noqa: E731
+    out_shape = jax.ShapeDtypeStruct((T, num_heads, hd), dtype)
+    params = {} if interpret else dict(compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1))
+    return pl.pallas_call(_merge_kernel, grid=(T, num_heads), in_specs=[whole(o), whole(m), whole(l)],
+                          out_specs=pl.BlockSpec(out_shape.shape, lambda t, h: (0, 0, 0)), out_shape=out_shape,
+                          interpret=interpret, name="merge_splits", **params)(o, m, l)
 
 
 @functools.partial(jax.jit, static_argnames=("block_size", "num_splits", "interpret"))
@@ -140,8 +168,8 @@ def paged_attention(q, k_pool, v_pool, layer, positions, row_of_token, block_tab
     )(jnp.reshape(layer, (1,)).astype(jnp.int32), positions.astype(jnp.int32), row_of_token.astype(jnp.int32),
       block_tables.astype(jnp.int32), jnp.pad(q, ((0, 0), (0, spare), (0, 0))) if spare else q,
       k_pool.reshape(pages), v_pool.reshape(pages))
-    out = outs[0] if NS == 1 else _merge_splits(*outs).astype(q.dtype)
-    return out[:, :Hq].reshape(T, Hq * hd)
+    out = outs[0][:, :Hq] if NS == 1 else _merge_splits(*outs, Hq, q.dtype, interpret)
+    return out.reshape(T, Hq * hd)
 
 
 def paged_attention_fn(q, k_pool, v_pool, layer, batch, block_size: int):
@@ -295,13 +323,24 @@ def _fused_kernel(layer_ref, wlayer_ref, pos_ref, slot_ref, first_ref, row_ref, 
 def fused_splits(num_tokens: int) -> int:
     """Programs that share one token's context in the fused kernel. A decode step has one real token per row, and
     one program walking a 200-token context page by page took 9-14 us per layer on an H100 (a dependent loop of
-    loads, the GPU nearly idle): split, each program takes one page per iteration and the splits are merged
-    after. Larger steps have programs enough, and the merge's [T, splits, H, hd] buffer grows with T."""
-    return max(1, min(FUSED_MAX_SPLITS, FUSED_SPLIT_PROGRAMS // num_tokens))
+    loads, the GPU nearly idle): split, each program takes a page or two per iteration (`_split_pages`) and the
+    splits are merged after (`_merge_splits`). Larger steps have programs enough, and the merge's [T, splits, H, hd] buffer grows with T. A power of
+    two: the merge kernel reads a token's splits as one tile."""
+    splits = max(1, min(FUSED_MAX_SPLITS, FUSED_SPLIT_PROGRAMS // num_tokens))
+    return 1 << (splits.bit_length() - 1)
 
 
 FUSED_MAX_SPLITS = 16
 FUSED_SPLIT_PROGRAMS = 128     # tokens x splits the split count aims at (8 tokens: 16 splits; >= 128 tokens: 1)
+FUSED_SPLIT_PAGES_PER_ITER = None   # pages a split program loads per iteration (None: `_split_pages`)
+
+
+def _split_pages(num_splits: int, block_size: int) -> int:
+    """Pages a split program loads per iteration, at least the matrix unit's 16 keys: one with many splits (each
+    walks a page or two of a decode row), two with few (batch 32 on an H100: 9.0 against 9.8 us a layer)."""
+    if FUSED_SPLIT_PAGES_PER_ITER is not None:
+        return max(FUSED_SPLIT_PAGES_PER_ITER, _MIN_ROWS // block_size)
+    return max(1 if num_splits >= 8 else 2, _MIN_ROWS // block_size)
 
 
 @functools.partial(jax.jit, static_argnames=("num_heads", "block_size", "eps", "num_splits", "interpret"))
@@ -325,17 +364,17 @@ def paged_attention_fused(qkv, k_pool, v_pool, layer, cos, sin, positions, slot_
     G = num_heads // Hkv
     W = G + 2
     q_rows = max(_MIN_ROWS, _next_pow2(G))
-    chunk = max(_MIN_ROWS, min(64, _next_pow2(T)))      # this step's keys per iteration
     qkv = qkv.reshape(T, Hkv * W, hd)
+    NS = fused_splits(T) if num_splits is None else num_splits
+    # this step's keys per iteration: a split (decode-sized) step's rows have a few each (one per decode token)
+    chunk = _MIN_ROWS if NS > 1 else max(_MIN_ROWS, min(64, _next_pow2(T)))
     # On a GPU masked lanes touch no memory; the interpreter slices instead (clamping slices that run past the
     # end), so there qkv, cos and sin get spare tokens and head rows.
     spare_t, spare_r = (chunk, q_rows) if interpret else (0, 0)
     pad = lambda x, *widths: jnp.pad(x, [(0, w) for w in widths]) if interpret else x   # noqa: E731
     pages = (L, S // block_size, block_size, Hkv, hd)
     R, MB = block_tables.shape
-    NS = fused_splits(T) if num_splits is None else num_splits
-    # split: a page per iteration, or as many as make the matrix unit's 16 keys (small pages)
-    P = min(PAGES_PER_ITER if NS == 1 else max(1, _MIN_ROWS // block_size), _next_pow2(MB))
+    P = min(PAGES_PER_ITER if NS == 1 else _split_pages(NS, block_size), _next_pow2(MB))
     MBp = -(-MB // P) * P
     if MBp != MB:
         block_tables = jnp.pad(block_tables, ((0, 0), (0, MBp - MB)), constant_values=-1)
@@ -373,8 +412,8 @@ def paged_attention_fused(qkv, k_pool, v_pool, layer, cos, sin, positions, slot_
         name="paged_attention_fused",
         **params,
     )(*ins)
-    out = outs[0] if NS == 1 else _merge_splits(*outs).astype(qkv.dtype)
-    return out[:, :num_heads].reshape(T, num_heads * hd), k_new.reshape(k_pool.shape), v_new.reshape(v_pool.shape)
+    out = outs[0][:, :num_heads] if NS == 1 else _merge_splits(*outs, num_heads, qkv.dtype, interpret)
+    return out.reshape(T, num_heads * hd), k_new.reshape(k_pool.shape), v_new.reshape(v_pool.shape)
 
 
 def fused_attention_fn(c, lp, qkv, k_pool, v_pool, layer, batch, block_size: int, num_splits: int | None = None):

@@ -3,10 +3,18 @@ weights, 128-token random prompts, 256 greedy tokens, ignore_eos, one request pe
 host phases timed per step, the inter-token gaps' spread, and the same with Python's garbage collector off.
 
     python3 scripts/probes/tpot_phases.py [model] [batch ...]
+
+The traced run also prints one decode layer's kernels in order (attention to attention). MERGE_KERNEL=0 merges
+the attention's context splits with XLA's ops instead of the merge kernel, SPLIT_PROGRAMS=N sets the fused
+attention's split target (paged_attention.FUSED_SPLIT_PROGRAMS), SPLIT_PAGES=N the pages a split program reads
+per iteration (FUSED_SPLIT_PAGES_PER_ITER): before/after on one machine. Steps compile as
+the first generate meets them (no engine warm-up).
 """
 import collections
 import functools
 import gc
+import glob
+import os
 import statistics
 import sys
 import time
@@ -25,16 +33,39 @@ _spec = importlib.util.spec_from_file_location("profile_step", pathlib.Path(__fi
 profile_step = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(profile_step)
 
+import jaxspec.pallas.paged_attention as pa  # noqa: E402
+pa.MERGE_KERNEL = os.environ.get("MERGE_KERNEL", "1") == "1"
+pa.FUSED_SPLIT_PROGRAMS = int(os.environ.get("SPLIT_PROGRAMS", pa.FUSED_SPLIT_PROGRAMS))
+if os.environ.get("SPLIT_PAGES"):
+    pa.FUSED_SPLIT_PAGES_PER_ITER = int(os.environ["SPLIT_PAGES"])
+
+
+def layer_sequence(trace_dir: str, kernel: str = "paged_attention_fused", back: int = 4):
+    """The kernels of one decode layer in launch order, from the `back`-th last call of `kernel` to the next."""
+    from jax.profiler import ProfileData
+    path = sorted(glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True))[-1]
+    evs = sorted((ev.start_ns, ev.duration_ns, ev.name) for plane in ProfileData.from_file(path).planes
+                 if "GPU" in plane.name for line in plane.lines for ev in line.events)
+    at = [i for i, (_, _, n) in enumerate(evs) if n.startswith(kernel)]
+    if len(at) <= back:
+        return print(f"fewer than {back + 1} {kernel} calls in the trace")
+    window = evs[at[-back - 1]:at[-back]]
+    print(f"one decode layer: {len(window)} kernels, {sum(d for _, d, _ in window) / 1e3:.2f} us of kernels, "
+          f"{(evs[at[-back]][0] - window[0][0]) / 1e3:.2f} us from attention to attention")
+    for start, dur, n in window:
+        print(f"  {(start - window[0][0]) / 1e3:8.2f} us  {dur / 1e3:6.2f} us  {n[:90]}")
+
+
 name = sys.argv[1] if len(sys.argv) > 1 and sys.argv[1] else "qwen2.5-coder-1.5b-instruct"
 batches = [int(b) for b in sys.argv[2:]] or [1, 32]
 model = random_model(name, dtype="bfloat16")
 for B in batches:
-    llm = LLM(model, max_num_seqs=B, max_model_len=1024)
+    llm = LLM(model, max_num_seqs=B, max_model_len=1024, warmup=False)
     engine = llm.engine
     rng = np.random.default_rng(B)
     prompts = [rng.integers(0, 1000, 128).tolist() for _ in range(B)]
     sp = SamplingParams(temperature=0, max_tokens=256, ignore_eos=True)
-    llm.generate(prompts, sp, use_tqdm=False)    # every step variant compiled
+    llm.generate(prompts, sp, use_tqdm=False)    # every step variant this run meets compiled
     orig = engine.step
     for label in ("gc on", "gc off", "gc on, timed phases"):
         acc = collections.Counter()
@@ -67,4 +98,5 @@ for B in batches:
         llm.generate(prompts, SamplingParams(temperature=0, max_tokens=48, ignore_eos=True), use_tqdm=False)
     profile_step.kernel_breakdown(trace, engine.counters["steps"] - steps0, top=4)
     profile_step.busy_gaps(trace, top=8)
+    layer_sequence(trace)
     del llm, engine
