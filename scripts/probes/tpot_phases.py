@@ -4,6 +4,11 @@ host phases timed per step, the inter-token gaps' spread, and the same with Pyth
 
     python3 scripts/probes/tpot_phases.py [model] [batch ...]
 
+model: a preset name (random bf16 weights of its shapes; default Qwen2.5-Coder-1.5B) or a checkpoint path (its
+real weights and tokenizer). STOP=1 gives every request a stop string, so the engine renders each request's text
+every step (incremental detokenization, as streaming does). Device busy: the replayed step over the wall time
+per step.
+
 The traced run also prints one decode layer's kernels in order (attention to attention). MERGE_KERNEL=0 merges
 the attention's context splits with XLA's ops instead of the merge kernel, SPLIT_PROGRAMS=N sets the fused
 attention's split target (paged_attention.FUSED_SPLIT_PROGRAMS), SPLIT_PAGES=N the pages a split program reads
@@ -58,13 +63,14 @@ def layer_sequence(trace_dir: str, kernel: str = "paged_attention_fused", back: 
 
 name = sys.argv[1] if len(sys.argv) > 1 and sys.argv[1] else "qwen2.5-coder-1.5b-instruct"
 batches = [int(b) for b in sys.argv[2:]] or [1, 32]
-model = random_model(name, dtype="bfloat16")
+model = name if os.path.exists(name) else random_model(name, dtype="bfloat16")
+stop = ["<no such text>"] if os.environ.get("STOP") == "1" else None
 for B in batches:
     llm = LLM(model, max_num_seqs=B, max_model_len=1024, warmup=False)
     engine = llm.engine
     rng = np.random.default_rng(B)
     prompts = [rng.integers(0, 1000, 128).tolist() for _ in range(B)]
-    sp = SamplingParams(temperature=0, max_tokens=256, ignore_eos=True)
+    sp = SamplingParams(temperature=0, max_tokens=256, ignore_eos=True, stop=stop)
     llm.generate(prompts, sp, use_tqdm=False)    # every step variant this run meets compiled
     orig = engine.step
     for label in ("gc on", "gc off", "gc on, timed phases"):
@@ -81,6 +87,7 @@ for B in batches:
         gc.enable()
         engine.step = orig
         steps = engine.counters["steps"] - steps0
+        wall_per_step = wall / steps if label == "gc on" else wall_per_step
         tpot = statistics.median(o.metrics["tpot"] for o in outs)
         gaps = np.asarray([g for o in outs for g in o.metrics["inter_token_latencies"][1:] if g > 0]) * 1e3
         line = (f"batch {B}, {label}: TPOT {1e3 * tpot:.3f} ms; {steps} steps, wall {1e3 * wall / steps:.3f} ms per "
@@ -91,7 +98,11 @@ for B in batches:
                 f"{k} {1e3 * v / steps:.3f}" for k, v in acc.items() if k != "dispatch")
         print(line, flush=True)
     # the same engine's step replayed back to back, and a traced generate: kernel time per step and device gaps
-    print(f"batch {B}: replayed step {1e3 * device_step_time(engine, B):.3f} ms", flush=True)
+    replayed = device_step_time(engine, B)
+    print(f"batch {B}: replayed step {1e3 * replayed:.3f} ms; device busy {100 * min(1.0, replayed / wall_per_step):.1f}%"
+          f" of the wall time per step (gc on)", flush=True)
+    if os.environ.get("TRACE") == "0":
+        continue
     steps0 = engine.counters["steps"]
     trace = f"/tmp/tpot-trace-{B}"
     with jax.profiler.trace(trace):
