@@ -6,8 +6,9 @@ host phases timed per step, the inter-token gaps' spread, and the same with Pyth
 
 model: a preset name (random bf16 weights of its shapes; default Qwen2.5-Coder-1.5B) or a checkpoint path (its
 real weights and tokenizer). STOP=1 gives every request a stop string, so the engine renders each request's text
-every step (incremental detokenization, as streaming does). Device busy: the replayed step over the wall time
-per step.
+every step (incremental detokenization, as streaming does). Device busy: the replayed decode step over the median
+TPOT (the decode steps' time per token). Each run also prints the generate call's output tok/s and wall time per
+output token of a request (the time to first token included), as scripts/vllm_batches.py does for vLLM.
 
 The traced run also prints one decode layer's kernels in order (attention to attention). MERGE_KERNEL=0 merges
 the attention's context splits with XLA's ops instead of the merge kernel, SPLIT_PROGRAMS=N sets the fused
@@ -87,10 +88,10 @@ for B in batches:
         gc.enable()
         engine.step = orig
         steps = engine.counters["steps"] - steps0
-        wall_per_step = wall / steps if label == "gc on" else wall_per_step
         tpot = statistics.median(o.metrics["tpot"] for o in outs)
         gaps = np.asarray([g for o in outs for g in o.metrics["inter_token_latencies"][1:] if g > 0]) * 1e3
-        line = (f"batch {B}, {label}: TPOT {1e3 * tpot:.3f} ms; {steps} steps, wall {1e3 * wall / steps:.3f} ms per "
+        line = (f"batch {B}, {label}: TPOT {1e3 * tpot:.3f} ms; {B * 256 / wall:.0f} tok/s, {1e3 * wall / 256:.3f} ms "
+                f"per token of a request; {steps} steps, wall {1e3 * wall / steps:.3f} ms per "
                 f"step; token gaps p10 / p50 / p90 / p99 {np.percentile(gaps, 10):.3f} / {np.percentile(gaps, 50):.3f}"
                 f" / {np.percentile(gaps, 90):.3f} / {np.percentile(gaps, 99):.3f} ms")
         if acc:
@@ -99,8 +100,8 @@ for B in batches:
         print(line, flush=True)
     # the same engine's step replayed back to back, and a traced generate: kernel time per step and device gaps
     replayed = device_step_time(engine, B)
-    print(f"batch {B}: replayed step {1e3 * replayed:.3f} ms; device busy {100 * min(1.0, replayed / wall_per_step):.1f}%"
-          f" of the wall time per step (gc on)", flush=True)
+    print(f"batch {B}: replayed step {1e3 * replayed:.3f} ms; device busy {100 * min(1.0, replayed / tpot):.1f}% of the "
+          f"last run's median TPOT", flush=True)
     if os.environ.get("TRACE") == "0":
         continue
     steps0 = engine.counters["steps"]
