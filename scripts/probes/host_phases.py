@@ -2,7 +2,10 @@
 checkpoint's tokenizer rendering every request's text every step (a stop string makes the engine detokenize
 incrementally, as streaming does), on any backend: the host's share of the loop without a GPU.
 
-    python3 scripts/probes/host_phases.py [MODEL] [BATCH] [TOKENS]      # default smollm2-135m-instruct 32 64
+    python3 scripts/probes/host_phases.py [MODEL] [BATCH] [TOKENS] [TOKENIZER_DIR]   # smollm2-135m-instruct 32 64
+
+With TOKENIZER_DIR (a Hugging Face tokenizer folder), MODEL is a preset whose shapes get random bf16 weights and
+that tokenizer: the real tokenizer on a GPU without staging the checkpoint.
 """
 import collections
 import functools
@@ -13,7 +16,15 @@ from jaxspec import LLM, SamplingParams
 model = sys.argv[1] if len(sys.argv) > 1 else "smollm2-135m-instruct"
 B = int(sys.argv[2]) if len(sys.argv) > 2 else 32
 n = int(sys.argv[3]) if len(sys.argv) > 3 else 64
-llm = LLM(model, max_num_seqs=B, max_model_len=512, warmup=False)
+if len(sys.argv) > 4:
+    from transformers import AutoTokenizer
+
+    from jaxspec.models.random import random_model
+    from jaxspec.models.tokenizer import Tokenizer
+    tokenizer = Tokenizer(AutoTokenizer.from_pretrained(sys.argv[4]))
+    model = random_model(model, dtype="bfloat16")
+    model.tokenizer = tokenizer
+llm = LLM(model, max_num_seqs=B, max_model_len=1024, warmup=False)
 engine = llm.engine
 prompts = [f"Write a short story, number {i}, about a robot who learns to paint." for i in range(B)]
 variants = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, stop=stop)
