@@ -146,7 +146,8 @@ def test_kernels_per_step_stay_few():
 def test_gpu_step_attends_with_one_kernel_per_layer(monkeypatch):
     """The GPU layout's step (Pallas attention, unrolled layers), lowered for CUDA here on the CPU: each attention
     layer's rotary, KV write and attention are one kernel (jaxspec.pallas.paged_attention's fused one, a Triton
-    call), and no scatter, rotary concatenation or second attention kernel is left per layer."""
+    call), and no scatter, rotary concatenation or second attention kernel is left per layer; the decode-sized
+    step's context splits are merged by one kernel (a Triton call), not by XLA's reductions."""
     from jaxspec.decode.step import StepVariant
     from jaxspec.pallas import paged_attention as pa
     monkeypatch.setattr(pa, "paged_attention_fused", functools.partial(pa.paged_attention_fused, interpret=False))
@@ -161,9 +162,10 @@ def test_gpu_step_attends_with_one_kernel_per_layer(monkeypatch):
         text = traced.lower(lowering_platforms=("cuda",)).as_text()
         counts[layers] = {op: len(re.findall(pattern, text)) for op, pattern in (
             ("fused", r"call @paged_attention_fused\("), ("attention", r"call @paged_attention\("),
-            ("triton", r'name = "paged_attention_fused"'),
+            ("triton", r'name = "paged_attention_fused"'), ("merge", r'name = "merge_splits"'),
             ("scatter", r"stablehlo\.scatter"), ("concatenate", r"stablehlo\.concatenate"))}
     assert counts[2]["fused"] == 2 and counts[4]["fused"] == 4 and counts[2]["triton"] == 1, counts
+    assert pa.fused_splits(8) > 1 and counts[2]["merge"] == counts[4]["merge"] == 1, counts
     assert counts[2]["attention"] == counts[4]["attention"] == 0, counts
     for op in ("scatter", "concatenate"):
         assert counts[4][op] == counts[2][op], counts   # none per layer
