@@ -324,8 +324,8 @@ def fused_splits(num_tokens: int) -> int:
     """Programs that share one token's context in the fused kernel. A decode step has one real token per row, and
     one program walking a 200-token context page by page took 9-14 us per layer on an H100 (a dependent loop of
     loads, the GPU nearly idle): split, each program takes a page or two per iteration (`_split_pages`) and the
-    splits are merged after (`_merge_splits`). Larger steps have programs enough, and the merge's [T, splits, H, hd] buffer grows with T. A power of
-    two: the merge kernel reads a token's splits as one tile."""
+    splits are merged after (`_merge_splits`). Larger steps have programs enough, and the merge's [T, splits, H,
+    hd] buffer grows with T. A power of two: the merge kernel reads a token's splits as one tile."""
     splits = max(1, min(FUSED_MAX_SPLITS, FUSED_SPLIT_PROGRAMS // num_tokens))
     return 1 << (splits.bit_length() - 1)
 
