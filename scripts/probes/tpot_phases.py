@@ -100,8 +100,8 @@ for B in batches:
         print(line, flush=True)
     # the same engine's step replayed back to back, and a traced generate: kernel time per step and device gaps
     replayed = device_step_time(engine, B)
-    print(f"batch {B}: replayed step {1e3 * replayed:.3f} ms; device busy {100 * min(1.0, replayed / tpot):.1f}% of the "
-          f"last run's median TPOT", flush=True)
+    print(f"batch {B}: replayed step {1e3 * replayed:.3f} ms; device busy {100 * min(1.0, replayed / tpot):.1f}% "
+          f"of the last run's median TPOT", flush=True)
     if os.environ.get("TRACE") == "0":
         continue
     steps0 = engine.counters["steps"]
