@@ -44,18 +44,19 @@ def kernel_breakdown(trace_dir: str, steps: int, top: int = 25):
         print(f"  {ns / steps / 1e3:9.1f} us  {100 * ns / max(total, 1):5.1f}%  {name[:110]}")
 
 
+def device_events(trace_dir: str) -> list[tuple[int, int, str]]:
+    """The traced window's device events (kernels and copies), (start_ns, duration_ns, name) in start order."""
+    from jax.profiler import ProfileData
+    path = sorted(glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True))[-1]
+    return sorted((ev.start_ns, ev.duration_ns, ev.name) for plane in ProfileData.from_file(path).planes
+                  if "GPU" in plane.name for line in plane.lines
+                  if "Stream" in line.name or "Kernel" in line.name for ev in line.events)
+
+
 def kernel_sequence(trace_dir: str, count: int):
     """The first `count` kernels of the traced window in launch order, each with its duration: one layer's
     kernels read in order (which matmul, norm, rotary or copy comes where)."""
-    from jax.profiler import ProfileData
-    path = sorted(glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True))[-1]
-    evs = []
-    for plane in ProfileData.from_file(path).planes:
-        if "GPU" in plane.name:
-            for line in plane.lines:
-                if "Stream" in line.name or "Kernel" in line.name:
-                    evs += [(ev.start_ns, ev.duration_ns, ev.name) for ev in line.events]
-    evs.sort()
+    evs = device_events(trace_dir)
     for start, dur, name in evs[:count]:
         print(f"  at {(start - evs[0][0]) / 1e3:8.2f} us  {dur / 1e3:7.2f} us  {name[:110]}")
 
@@ -63,16 +64,7 @@ def kernel_sequence(trace_dir: str, count: int):
 def busy_gaps(trace_dir: str, top: int = 6):
     """GPU busy fraction of a traced window (union of kernel intervals over first start to last end) and
     the largest idle gaps, each with the kernels on either side."""
-    from jax.profiler import ProfileData
-    path = sorted(glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True))[-1]
-    evs = []
-    for plane in ProfileData.from_file(path).planes:
-        if "GPU" not in plane.name:
-            continue
-        for line in plane.lines:
-            if "Stream" in line.name or "Kernel" in line.name:
-                evs += [(ev.start_ns, ev.end_ns, ev.name) for ev in line.events]
-    evs.sort()
+    evs = [(start, start + dur, name) for start, dur, name in device_events(trace_dir)]
     if not evs:
         return print("no device events in the trace")
     busy, gaps, end, prev = 0, [], evs[0][0], evs[0][2]

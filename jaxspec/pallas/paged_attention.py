@@ -338,9 +338,8 @@ FUSED_SPLIT_PAGES_PER_ITER = None   # pages a split program loads per iteration 
 def _split_pages(num_splits: int, block_size: int) -> int:
     """Pages a split program loads per iteration, at least the matrix unit's 16 keys: one with many splits (each
     walks a page or two of a decode row), two with few (batch 32 on an H100: 9.0 against 9.8 us a layer)."""
-    if FUSED_SPLIT_PAGES_PER_ITER is not None:
-        return max(FUSED_SPLIT_PAGES_PER_ITER, _MIN_ROWS // block_size)
-    return max(1 if num_splits >= 8 else 2, _MIN_ROWS // block_size)
+    pages = FUSED_SPLIT_PAGES_PER_ITER or (1 if num_splits >= 8 else 2)
+    return max(pages, _MIN_ROWS // block_size)
 
 
 @functools.partial(jax.jit, static_argnames=("num_heads", "block_size", "eps", "num_splits", "interpret"))

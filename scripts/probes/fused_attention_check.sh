@@ -1,6 +1,7 @@
 # The attention kernel with rotary and the KV write inside (JAXSPEC_FUSED_ATTENTION=1, the default) against the
-# separate kernels (=0), GPU, one setting per call: the kernel against the separate kernels (scripts/probes/fused_attention_exact.py), the kernel tests compiled for the GPU, greedy digests,
-# the step profile and the bench's TPOT at batch 1 / 8 / 32. Full logs under $OUT.
+# separate kernels (=0), GPU, one setting per call: the kernel against the separate kernels
+# (scripts/probes/fused_attention_exact.py), the kernel tests compiled for the GPU, greedy digests, the step
+# profile and the bench's TPOT at batch 1 / 8 / 32. Full logs under $OUT.
 #   FUSED=1 bash scripts/probes/fused_attention_check.sh [model]
 export PYTHONPATH=$PWD
 M=${1:-qwen2.5-coder-1.5b-instruct}

@@ -19,7 +19,6 @@ the first generate meets them (no engine warm-up).
 import collections
 import functools
 import gc
-import glob
 import os
 import statistics
 import sys
@@ -48,10 +47,7 @@ if os.environ.get("SPLIT_PAGES"):
 
 def layer_sequence(trace_dir: str, kernel: str = "paged_attention_fused", back: int = 4):
     """The kernels of one decode layer in launch order, from the `back`-th last call of `kernel` to the next."""
-    from jax.profiler import ProfileData
-    path = sorted(glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True))[-1]
-    evs = sorted((ev.start_ns, ev.duration_ns, ev.name) for plane in ProfileData.from_file(path).planes
-                 if "GPU" in plane.name for line in plane.lines for ev in line.events)
+    evs = profile_step.device_events(trace_dir)
     at = [i for i, (_, _, n) in enumerate(evs) if n.startswith(kernel)]
     if len(at) <= back:
         return print(f"fewer than {back + 1} {kernel} calls in the trace")
