@@ -2,7 +2,6 @@
 
     h = embed[ids]                                    # [T, D]
     for each layer i:  h = LAYER_KINDS[layer_types[i]](h, state of its kind)
-                       (decode-sized GPU steps: h = Residual(h, delta), the last add left to the next norm)
     hidden = rms_norm(h)                              # [T, D]
     logits = hidden[logits_indices] @ lm_head.T       # [N, V]   (tied: the embedding)
 
@@ -19,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.nn.layers import LAYER_KINDS, CacheShape, per_slot_fields
-from jaxspec.nn.ops import ForwardBatch, Ops, Residual, rms_norm
+from jaxspec.nn.ops import ForwardBatch, Ops, rms_norm
 from jaxspec.nn.schema import Spec, initialize
 from jaxspec.pallas.gemv import LayerWeights
 
@@ -79,14 +78,10 @@ class Decoder:
         entries written)."""
         c, ops = self.config, self.ops
         h = params["embed"][jnp.clip(batch.token_ids, 0, c.vocab_size - 1)]            # [T, D]
-        if ops.fuses_norms(h.shape[0]):   # each residual add pending until the norm after it (ops.Residual)
-            h = Residual(h)
         state = {k: dict(v) for k, v in state.items()}
         after: dict[int, jax.Array] = {}
         for kind_name, first, count, g in self.runs():
             kind, lp_all, st = LAYER_KINDS[kind_name], params["layers"][kind_name], state[kind_name]
-            if isinstance(h, Residual) and not getattr(kind, "takes_residual", False):
-                h = h.resolve()
             if ops.unroll or count == 1:
                 for j in range(count):
                     lp = LayerWeights(lp_all, first + j)   # a dict of the layer's slices; kernels read the stacks
@@ -106,13 +101,8 @@ class Decoder:
                 (h, st), hs = jax.lax.scan(body, (h, st), xs)
                 after.update({g + j: hs[j] for j in wanted})
             state[kind_name] = st
-        resolved = lambda x: x.resolve() if isinstance(x, Residual) else x  # noqa: E731
-        aux = jnp.stack([resolved(after[a]) for a in aux_layers]) if aux_layers else None
-        if isinstance(h, Residual):
-            from jaxspec.pallas.norm import add_rms_norm
-            _, hidden = add_rms_norm(h.h, h.delta, params["final_norm"][None], 0, eps=c.rms_norm_eps)
-        else:
-            hidden = rms_norm(h, params["final_norm"], c.rms_norm_eps)
+        aux = jnp.stack([after[a] for a in aux_layers]) if aux_layers else None
+        hidden = rms_norm(h, params["final_norm"], c.rms_norm_eps)
         logits = self.logits(params, hidden[batch.logits_indices])
         return logits, hidden, aux, state
 

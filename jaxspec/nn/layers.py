@@ -23,7 +23,7 @@ from typing import Protocol
 import jax
 import jax.numpy as jnp
 
-from jaxspec.nn.ops import ForwardBatch, Ops, Residual, apply_rope, rms_norm, rope_inv_freq
+from jaxspec.nn.ops import ForwardBatch, Ops, apply_rope, rms_norm, rope_inv_freq
 from jaxspec.nn.schema import Spec
 
 
@@ -181,7 +181,6 @@ class Attention:
     """The Llama / Qwen2 / Qwen3 decoder layer: RMSNorm -> grouped-query attention over the paged KV -> residual
     -> RMSNorm -> SwiGLU MLP -> residual."""
     name = "attention"
-    takes_residual = True    # the decoder may hand it ops.Residual (decode-sized steps, Ops.fuses_norms)
 
     def params(self, c):
         return {**attention_params(c), **mlp_params(c)}
@@ -190,8 +189,6 @@ class Attention:
         return kv_state(c, cache)
 
     def __call__(self, c, ops, lp, h, state, i, batch):
-        if isinstance(h, Residual):
-            return self.decode(c, ops, lp, h, state, i, batch)
         if ops.use_gemv(h.shape[0]):
             return self.fused(c, ops, lp, h, state, i, batch)
         attn, state = attention(c, ops, lp, rms_norm(h, lp["attn_norm"], c.rms_norm_eps), state, i, batch)
@@ -208,24 +205,6 @@ class Attention:
         h = linear(out.astype(h.dtype), lp, "o_proj", residual=h, kernel="o_proj" in kernel)  # h + attention
         act = linear(h, lp, "gate_up_proj", norm="mlp_norm", eps=eps, kernel="gate_up_proj" in kernel)  # [T, F]
         return linear(act, lp, "down_proj", residual=h, kernel="down_proj" in kernel), kv      # h + mlp
-
-    @staticmethod
-    def decode(c, ops, lp, h: Residual, kv, i, batch):
-        """The layer for decode-sized steps on a GPU (`Ops.fuses_norms`): the stream arrives as Residual(h, delta)
-        with the previous layer's last update pending, and each residual add is one kernel with the norm after it
-        (jaxspec.pallas.norm); the layer returns its MLP's update pending in turn. The matmuls named in `ops.gemv`
-        run as gemv kernels (a split-K one hands its partial sums to the next add)."""
-        from jaxspec.pallas.gemv import _stacked, linear
-        from jaxspec.pallas.norm import add_rms_norm
-        eps = c.rms_norm_eps
-        kernel = ops.gemv if ops.use_gemv(h.h.shape[0]) else frozenset()
-        h, x = add_rms_norm(h.h, h.delta, *_stacked(lp, "attn_norm"), eps=eps)                 # [T, D] x2
-        qkv = linear(x, lp, "qkv_proj", kernel="qkv_proj" in kernel)                         # [T, Hkv*(G+2)*hd]
-        out, kv = attend_qkv(c, ops, lp, qkv, kv, i, batch)                                  # [T, Hq*hd]
-        o = linear(out.astype(h.dtype), lp, "o_proj", kernel="o_proj" in kernel, partial=True)
-        h, x = add_rms_norm(h, o, *_stacked(lp, "mlp_norm"), eps=eps)                        # h + attention
-        act = linear(x, lp, "gate_up_proj", kernel="gate_up_proj" in kernel)                # [T, F]
-        return Residual(h, linear(act, lp, "down_proj", kernel="down_proj" in kernel, partial=True)), kv
 
 
 # ---- hybrids: Qwen3-Next and Qwen3.5 (Gated DeltaNet + gated full attention, dense MLP or MoE) ---------------

@@ -35,21 +35,6 @@ class ForwardBatch(NamedTuple):
     first_in_step: jax.Array | None = None
 
 
-class Residual(NamedTuple):
-    """The residual stream of a decode-sized step with its last update not yet added: the stream is h + delta.
-    The next RMSNorm adds it and norms in one kernel (jaxspec.pallas.norm), so an add and a norm are one launch
-    (`Ops.fuses_norms`). delta: [T, D] in h's dtype, f32 partial sums [S, T, D] of a split-K matmul, or None."""
-    h: jax.Array
-    delta: jax.Array | None = None
-
-    def resolve(self) -> jax.Array:
-        """The stream itself, h + delta (XLA's ops)."""
-        if self.delta is None:
-            return self.h
-        delta = self.delta.sum(0) if self.delta.ndim == 3 else self.delta.astype(jnp.float32)
-        return (self.h.astype(jnp.float32) + delta).astype(self.h.dtype)
-
-
 def rms_norm(x, weight, eps):
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
@@ -128,8 +113,6 @@ def dense_causal_attention(q, k_pool, v_pool, layer, batch: ForwardBatch, block_
 GEMV_MAX_TOKENS = 16
 # What JAXSPEC_GEMV may name: a dense layer's matmuls by short name.
 GEMV_MATMULS = {"qkv": "qkv_proj", "o": "o_proj", "gate_up": "gate_up_proj", "down": "down_proj"}
-# Steps of at most this many tokens add each residual and norm the result in one kernel (Ops.fuses_norms).
-FUSED_NORM_MAX_TOKENS = 64
 # Steps of at least this many tokens compile their matmuls to cuBLAS on a GPU (Ops.compiler_options).
 CUBLAS_FROM_TOKENS = 128
 
@@ -191,16 +174,9 @@ class Ops:
     # The Pallas attention with the q/k rotary embedding and the KV write inside (`fuses_kv_write`): one kernel
     # instead of five per layer. JAXSPEC_FUSED_ATTENTION=0 keeps them apart (for measuring).
     fused_attention: bool = True
-    # Decode-sized steps carry the residual stream with its last update pending (`Residual`) and add it in the
-    # same kernel as the RMSNorm after it (jaxspec.pallas.norm): one launch instead of XLA's one or two at each
-    # of a layer's two residual adds. Unrolled layers on one device; JAXSPEC_FUSED_NORM=0 keeps XLA's ops.
-    fused_norm: bool = False
 
     def use_gemv(self, num_tokens: int) -> bool:
         return bool(self.gemv) and self.tp is None and num_tokens <= GEMV_MAX_TOKENS
-
-    def fuses_norms(self, num_tokens: int) -> bool:
-        return self.fused_norm and self.unroll and self.tp is None and num_tokens <= FUSED_NORM_MAX_TOKENS
 
     def __post_init__(self):
         if self.attention not in ("pallas", "reference", "dense"):
@@ -226,8 +202,7 @@ class Ops:
         return Ops(attention=attention, block_size=block_size, unroll=gpu if unroll is None else unroll, tp=tp,
                    cublas_from_tokens=CUBLAS_FROM_TOKENS if gpu else None, autotune_cache_dir=autotune_cache,
                    delta_rule=delta_rule, gemv=gemv_matmuls(os.environ.get("JAXSPEC_GEMV", "down" if gpu else "")),
-                   fused_attention=os.environ.get("JAXSPEC_FUSED_ATTENTION", "1") != "0",
-                   fused_norm=os.environ.get("JAXSPEC_FUSED_NORM", "1" if gpu else "0") != "0")
+                   fused_attention=os.environ.get("JAXSPEC_FUSED_ATTENTION", "1") != "0")
 
     def compiler_options(self, num_tokens: int) -> dict:
         """XLA options for the compile of a step of `num_tokens` tokens. Measured on an H100 (Qwen2.5-1.5B,

@@ -192,12 +192,10 @@ def tiling_for(N: int, K: int, *, norm: bool, pairs: bool) -> Tiling | None:
 
 
 def linear(x, lp, name: str, *, norm: str | None = None, eps: float | None = None, residual=None,
-           kernel: bool = True, partial: bool = False):
+           kernel: bool = True):
     """x [T, K] @ lp[name].T with the layer's rms_norm `norm` applied to x first, and `residual` added; a gate/up
     weight [F, 2, K] gives silu(gate) * up [T, F]. With `kernel`, one gemv kernel (two where K is split: the
-    partial sums are added, with the residual, by one XLA fusion); XLA's ops otherwise or where no tiling fits.
-    `partial` (no residual): where the kernel splits K, its f32 partial sums [S, T, N] as they are, for the
-    caller's next kernel to add (jaxspec.pallas.norm)."""
+    partial sums are added, with the residual, by one XLA fusion); XLA's ops otherwise or where no tiling fits."""
     w, layer = _stacked(lp, name)
     pairs = w.ndim == 4
     g = None
@@ -213,8 +211,6 @@ def linear(x, lp, name: str, *, norm: str | None = None, eps: float | None = Non
             y = jax.nn.silu(y[..., 0]) * y[..., 1]
         return y if residual is None else residual + y
     if tiling.splits > 1:   # (norm and pairs tilings are never split)
-        if partial and residual is None:
-            return gemv(x, w, layer, tiling=tiling)
         y = gemv(x, w, layer, tiling=tiling).sum(0)
         return (y if residual is None else residual.astype(jnp.float32) + y).astype(x.dtype)
     return gemv(x, w, layer, g, residual, tiling=tiling, eps=eps)
