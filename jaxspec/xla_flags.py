@@ -1,16 +1,17 @@
 """XLA flags jaxspec can set before JAX starts a GPU backend (XLA reads XLA_FLAGS once, when the backend starts).
 
-JAXSPEC_COMMAND_BUFFER_UPDATE_MODE=SKIP_PROFILED (opt-in) sets xla_gpu_command_buffer_update_mode. XLA captures
-the step as one CUDA graph and re-records it whenever a buffer it captured has moved. The step's inputs, outputs
-and state keep their addresses (jaxspec.decode.runner), but XLA's temporary buffer moves whenever something else
-was allocated between two steps (the next step's input transfer, the copy of the previous outputs), and the
-re-recording, issued behind the running step, held the host 1-2 ms per step on an H100. In this mode XLA learns
-which allocations move over its first executions and gives them fixed virtual addresses (VMM remapping): no
-re-recording after that, and the step's host call behind a running step took 1.0 ms instead of 2.7 ms
-(docs/benchmarks.md). Measured with the engine (scripts/probes/update_mode_check.sh, H100): outputs bit-identical,
-the host's launch of a step 0.5 ms instead of 1.0-1.4 ms, but the engine loop is bound by the device and ran no
-faster (1.63 ms per step either way at batch 1 and 8), and one bench run each gave TPOT 2.21 / 2.04 / 2.37 ms with
-it against 2.00 / 2.03 / 2.30 ms without (batch 1 / 8 / 32). Opt-in until a loop that the host bounds shows a gain.
+xla_gpu_command_buffer_update_mode is set to SKIP_PROFILED by default (JAXSPEC_COMMAND_BUFFER_UPDATE_MODE names
+another mode; "default" or an empty value leaves XLA's own). XLA captures the step as one CUDA graph and
+re-records it whenever a buffer it captured has moved. The step's inputs, outputs and state keep their addresses
+(jaxspec.decode.runner), but XLA's temporary buffer moves whenever something else was allocated between two steps
+(the next step's input transfer, the copy of the previous outputs), and the re-recording, issued behind the running
+step, holds the host until that step ends. In this mode XLA learns which allocations move over its first
+executions and gives them fixed virtual addresses (VMM remapping): no re-recording after that (the step's host call
+behind a running step 1.0 ms instead of 2.7 ms on an H100, docs/benchmarks.md). Outputs are bit-identical with and
+without it (greedy digests, H100 and H200). On an H100 the loop was bound by the device and ran no faster; on an
+H200 (a 1.4-1.6 ms device step, Qwen2.5-Coder-1.5B, its tokenizer rendering text every step) batch 1 ran at TPOT
+1.44-1.55 ms with it (three runs) against 1.66-1.72 ms without (two), and batch 8 and 32 within the runs' spread
+either way (docs/benchmarks.md).
 
 Set only where a CUDA plugin is installed, XLA_FLAGS does not already name the option, and jaxlib and the CUDA
 plugin (each parses XLA_FLAGS) both know the mode: its names changed between XLA versions, and XLA aborts on an
@@ -50,14 +51,18 @@ def _libraries_name(word: str, libs) -> bool:
     return bool(xla_libs) and all(names(lib) for lib in xla_libs)
 
 
+DEFAULT_UPDATE_MODE = "SKIP_PROFILED"
+
+
 def configure() -> str | None:
     """Adds jaxspec's XLA flags to XLA_FLAGS where they apply; returns the update mode set, or None."""
     flags = os.environ.get("XLA_FLAGS", "")
-    mode = os.environ.get("JAXSPEC_COMMAND_BUFFER_UPDATE_MODE", "")
-    if not mode or "xla_gpu_command_buffer_update_mode" in flags:
+    mode = os.environ.get("JAXSPEC_COMMAND_BUFFER_UPDATE_MODE", DEFAULT_UPDATE_MODE)
+    if mode in ("", "default") or "xla_gpu_command_buffer_update_mode" in flags:
         return None
     libs = _libraries()
     if not any(lib.name.startswith("xla_cuda_plugin") for lib in libs) or not _libraries_name(mode, libs):
         return None
     os.environ["XLA_FLAGS"] = f"{flags} --xla_gpu_command_buffer_update_mode={mode}".strip()
     return mode
+

@@ -1,5 +1,5 @@
-"""jaxspec.xla_flags: the command-buffer update mode reaches XLA_FLAGS only where it can apply and every XLA that
-parses the flags knows it (XLA aborts on an unknown name)."""
+"""jaxspec.xla_flags: the command-buffer update mode (SKIP_PROFILED unless named otherwise) reaches XLA_FLAGS only
+where it can apply and every XLA that parses the flags knows it (XLA aborts on an unknown name)."""
 import os
 
 from jaxspec import xla_flags
@@ -27,5 +27,16 @@ def test_the_update_mode_is_set_only_where_it_applies(monkeypatch, tmp_path):
     monkeypatch.setenv("XLA_FLAGS", "")
     monkeypatch.setenv("JAXSPEC_COMMAND_BUFFER_UPDATE_MODE", "NO_SUCH_MODE")    # XLA would abort on it
     assert xla_flags.configure() is None and os.environ["XLA_FLAGS"] == ""
-    monkeypatch.delenv("JAXSPEC_COMMAND_BUFFER_UPDATE_MODE")                    # opt-in: nothing by default
+    monkeypatch.setenv("JAXSPEC_COMMAND_BUFFER_UPDATE_MODE", "default")         # XLA's own mode
     assert xla_flags.configure() is None and os.environ["XLA_FLAGS"] == ""
+
+    # unset: SKIP_PROFILED where every XLA names it, nothing where one does not (jaxlib 0.10's names)
+    monkeypatch.delenv("JAXSPEC_COMMAND_BUFFER_UPDATE_MODE")
+    old_jaxlib, new_jaxlib = tmp_path / "old" / "libjax_common.so", tmp_path / "new" / "libjax_common.so"
+    old_jaxlib.write_bytes(b"\0ALWAYS_UPDATE\0NEVER_UPDATE\0")
+    new_jaxlib.write_bytes(b"\0ALWAYS_UPDATE\0SKIP_PROFILED\0")
+    monkeypatch.setattr(xla_flags, "_libraries", lambda: [old_jaxlib, plugin])
+    assert xla_flags.configure() is None and os.environ["XLA_FLAGS"] == ""
+    monkeypatch.setattr(xla_flags, "_libraries", lambda: [new_jaxlib, plugin])
+    assert xla_flags.configure() == "SKIP_PROFILED"
+    assert os.environ["XLA_FLAGS"] == "--xla_gpu_command_buffer_update_mode=SKIP_PROFILED"

@@ -1,43 +1,50 @@
 #!/usr/bin/env bash
 # jaxspec and vLLM 0.23 on one GPU machine, random and real Qwen2.5-Coder-1.5B weights, batch 1 / 8 / 32: the
-# device calls of docs/benchmarks.md's side-by-side, after the checkpoint and vLLM's wheel set were staged
-# (../shared/tools/device_stage.py) to /tmp/models. Logs and JSON go to $OUT.
+# device calls of docs/benchmarks.md's side-by-side, run from the repository root after the checkpoint and vLLM's
+# wheel set were staged (../shared/tools/device_stage.py) to /tmp/models and the wheels installed to
+# /tmp/vllm-site. Logs and JSON go to $OUT.
 #
-#   bash scripts/probes/side_by_side.sh convert       # GGUF -> bf16 HF folder for vLLM, in the background
-#   bash scripts/probes/side_by_side.sh jaxspec-random  # compile pass, then JAXSPEC_FUSED_NORM=0 / 1 A/B
-#   bash scripts/probes/side_by_side.sh vllm          # vLLM, dummy weights then the real ones
-#   bash scripts/probes/side_by_side.sh jaxspec-real  # real weights and tokenizer (text rendered every step)
+#   bash scripts/probes/side_by_side.sh convert   # GGUF -> bf16 HF folder for vLLM, in the background
+#   bash scripts/probes/side_by_side.sh ceiling   # what one kernel reads at the layer matrices' sizes
+#   bash scripts/probes/side_by_side.sh compile   # jaxspec's steps compiled (random weights), once per machine
+#   bash scripts/probes/side_by_side.sh modes TOKENIZER_DIR  # XLA's default graph update mode / SKIP_PROFILED
+#   bash scripts/probes/side_by_side.sh vllm      # vLLM, dummy weights then the real ones
+#   bash scripts/probes/side_by_side.sh real      # jaxspec, real weights and tokenizer, text rendered every step
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 GGUF=/tmp/models/Qwen2.5-Coder-1.5B-Instruct.Q4_K_M.gguf
 HF=/tmp/models/qwen15-hf
-export PYTHONUNBUFFERED=1
-summary() { grep -E "TPOT|replayed|one decode layer|tok/s|engine up|copy|cuBLAS|host phases|schedule" "$@"; }
-wait_convert() { while pgrep -f gguf_to_hf >/dev/null; do sleep 2; done; tail -2 /tmp/convert.log; }
+# jaxspec reads GGUF through the gguf package, which the wheel set carries: that package alone on the path
+mkdir -p /tmp/gguf-only && ln -sf /tmp/vllm-site/gguf /tmp/vllm-site/gguf-*.dist-info /tmp/gguf-only/ 2>/dev/null
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:/tmp/gguf-only
+summary() { grep -E "gc off|replayed|one decode layer|tok/s \(|engine up|copy|cuBLAS|host ms|Error" "$@"; }
+wait_convert() { while pgrep -f gguf_to_hf >/dev/null; do sleep 2; done; tail -1 /tmp/convert.log; }
 case "$1" in
   convert)
     PYTHONPATH=/tmp/vllm-site:$PWD setsid nohup python3 scripts/gguf_to_hf.py $GGUF $HF >/tmp/convert.log 2>&1 &
     sleep 1; echo "conversion started" ;;
-  jaxspec-random)
-    python3 scripts/probes/read_ceiling.py $OUT/read_ceiling.json 2>&1 | tee $OUT/read_ceiling.log
-    TRACE=0 JAXSPEC_FUSED_NORM=1 python3 scripts/probes/tpot_phases.py "" 1 8 32 >$OUT/compile_pass.log 2>&1
-    summary $OUT/compile_pass.log
-    wait_convert
-    for v in 0 1; do
-      JAXSPEC_FUSED_NORM=$v python3 scripts/probes/tpot_phases.py "" 1 8 32 >$OUT/random_fused_norm_$v.log 2>&1
-      echo "== JAXSPEC_FUSED_NORM=$v"; summary $OUT/random_fused_norm_$v.log
+  ceiling)
+    python3 scripts/probes/read_ceiling.py $OUT/read_ceiling.json 2>&1 | tee $OUT/read_ceiling.log ;;
+  compile)
+    TRACE=0 timeout 540 python3 scripts/probes/tpot_phases.py "" 1 8 32 >$OUT/compile_pass.log 2>&1
+    summary $OUT/compile_pass.log ;;
+  modes)
+    for mode in default SKIP_PROFILED; do
+      JAXSPEC_COMMAND_BUFFER_UPDATE_MODE=$mode STOP=1 TOKENIZER=$2 timeout 280 \
+        python3 scripts/probes/tpot_phases.py "" 1 8 32 >$OUT/mode_$mode.log 2>&1
+      echo "== update mode $mode"; summary $OUT/mode_$mode.log
     done ;;
   vllm)
     wait_convert
-    export PYTHONPATH=/tmp/vllm-site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0
     for w in dummy real; do
-      python3 scripts/vllm_batches.py $HF $OUT/vllm_$w.json $([ $w = dummy ] && echo --dummy) >$OUT/vllm_$w.log 2>&1
+      PYTHONPATH=/tmp/vllm-site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 timeout 280 python3 scripts/vllm_batches.py \
+        $HF $OUT/vllm_$w.json $([ $w = dummy ] && echo --dummy) >$OUT/vllm_$w.log 2>&1
       echo "== vLLM $w weights"; summary $OUT/vllm_$w.log
     done ;;
-  jaxspec-real)
-    STOP=1 python3 scripts/probes/tpot_phases.py $GGUF 1 8 32 >$OUT/real.log 2>&1
-    echo "== jaxspec real weights, text rendered every step"; summary $OUT/real.log
-    python3 scripts/probes/host_phases.py $GGUF 32 256 >$OUT/host_phases_real_b32.log 2>&1
-    echo "== host phases, batch 32, real weights"; cat $OUT/host_phases_real_b32.log | tail -4 ;;
+  real)
+    STOP=1 timeout 330 python3 scripts/probes/tpot_phases.py $GGUF 1 8 32 >$OUT/real.log 2>&1
+    echo "== jaxspec, real weights, text rendered every step"; summary $OUT/real.log
+    timeout 200 python3 scripts/probes/host_phases.py $GGUF 32 256 >$OUT/host_phases_real_b32.log 2>&1
+    echo "== host phases, batch 32, real weights"; tail -2 $OUT/host_phases_real_b32.log ;;
   *) echo "unknown step $1"; exit 2 ;;
 esac

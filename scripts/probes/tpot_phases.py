@@ -6,9 +6,11 @@ host phases timed per step, the inter-token gaps' spread, and the same with Pyth
 
 model: a preset name (random bf16 weights of its shapes; default Qwen2.5-Coder-1.5B) or a checkpoint path (its
 real weights and tokenizer). STOP=1 gives every request a stop string, so the engine renders each request's text
-every step (incremental detokenization, as streaming does). Device busy: the replayed decode step over the median
+every step (incremental detokenization, as streaming does); TOKENIZER=DIR puts a Hugging Face tokenizer folder on
+the random weights. Device busy: the replayed decode step over the median
 TPOT (the decode steps' time per token). Each run also prints the generate call's output tok/s and wall time per
-output token of a request (the time to first token included), as scripts/vllm_batches.py does for vLLM.
+output token of a request (the time to first token included), as scripts/vllm_batches.py does for vLLM, and a
+digest of the output tokens (the same across loop settings that must not change them).
 
 The traced run also prints one decode layer's kernels in order (attention to attention). MERGE_KERNEL=0 merges
 the attention's context splits with XLA's ops instead of the merge kernel, SPLIT_PROGRAMS=N sets the fused
@@ -31,7 +33,7 @@ import jax
 import numpy as np
 
 from jaxspec import LLM, SamplingParams
-from jaxspec.bench import device_step_time
+from jaxspec.bench import device_step_time, output_digest
 from jaxspec.models.random import random_model
 
 _spec = importlib.util.spec_from_file_location("profile_step", pathlib.Path(__file__).parents[1] / "profile_step.py")
@@ -61,6 +63,11 @@ def layer_sequence(trace_dir: str, kernel: str = "paged_attention_fused", back: 
 name = sys.argv[1] if len(sys.argv) > 1 and sys.argv[1] else "qwen2.5-coder-1.5b-instruct"
 batches = [int(b) for b in sys.argv[2:]] or [1, 32]
 model = name if os.path.exists(name) else random_model(name, dtype="bfloat16")
+if os.environ.get("TOKENIZER"):   # a Hugging Face tokenizer folder: the real tokenizer on random weights
+    from transformers import AutoTokenizer
+
+    from jaxspec.models.tokenizer import Tokenizer
+    model.tokenizer = Tokenizer(AutoTokenizer.from_pretrained(os.environ["TOKENIZER"]))
 stop = ["<no such text>"] if os.environ.get("STOP") == "1" else None
 for B in batches:
     llm = LLM(model, max_num_seqs=B, max_model_len=1024, warmup=False)
@@ -87,7 +94,8 @@ for B in batches:
         tpot = statistics.median(o.metrics["tpot"] for o in outs)
         gaps = np.asarray([g for o in outs for g in o.metrics["inter_token_latencies"][1:] if g > 0]) * 1e3
         line = (f"batch {B}, {label}: TPOT {1e3 * tpot:.3f} ms; {B * 256 / wall:.0f} tok/s, {1e3 * wall / 256:.3f} ms "
-                f"per token of a request; {steps} steps, wall {1e3 * wall / steps:.3f} ms per "
+                f"per token of a request; digest {output_digest([o.token_ids for o in outs])}; {steps} steps, wall "
+                f"{1e3 * wall / steps:.3f} ms per "
                 f"step; token gaps p10 / p50 / p90 / p99 {np.percentile(gaps, 10):.3f} / {np.percentile(gaps, 50):.3f}"
                 f" / {np.percentile(gaps, 90):.3f} / {np.percentile(gaps, 99):.3f} ms")
         if acc:

@@ -1,4 +1,4 @@
-# Before SKIP_PROFILED becomes the default (GPU, one call): the engine's greedy outputs with and without it
+# SKIP_PROFILED (the default) against XLA's own mode (GPU, one call): the engine's greedy outputs with and without it
 # (digests must match), the step profile and the bench's TPOT at batch 1 / 8 / 32 with and without it.
 #   bash scripts/probes/update_mode_check.sh [model]
 #   MODES=SKIP_PROFILED bash scripts/probes/update_mode_check.sh   # one mode per call ("default": XLA's own)
