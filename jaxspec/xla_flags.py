@@ -65,4 +65,3 @@ def configure() -> str | None:
         return None
     os.environ["XLA_FLAGS"] = f"{flags} --xla_gpu_command_buffer_update_mode={mode}".strip()
     return mode
-
