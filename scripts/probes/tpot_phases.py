@@ -64,6 +64,8 @@ name = sys.argv[1] if len(sys.argv) > 1 and sys.argv[1] else "qwen2.5-coder-1.5b
 batches = [int(b) for b in sys.argv[2:]] or [1, 32]
 model = name if os.path.exists(name) else random_model(name, dtype="bfloat16")
 if os.environ.get("TOKENIZER"):   # a Hugging Face tokenizer folder: the real tokenizer on random weights
+    if isinstance(model, str):
+        raise SystemExit(f"TOKENIZER goes with a preset's random weights; the checkpoint {name} has its own tokenizer")
     from transformers import AutoTokenizer
 
     from jaxspec.models.tokenizer import Tokenizer
