@@ -101,9 +101,12 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts; give one, or one each")
         encoded = [self.encode_prompt(p, i) for i, p in enumerate(prompts)]
-        for (ids, _), sp in zip(encoded, params):   # every request is checked before any is queued
-            self.engine.validate_request(ids, sp)
-        return [self.engine.add_group(ids, sp, prompt=text, outputs=outputs) for (ids, text), sp in zip(encoded, params)]
+        # every request is checked (and built) before any is queued
+        groups = [self.engine.intake.build(ids, sp, prompt=text, outputs=outputs)
+                  for (ids, text), sp in zip(encoded, params)]
+        for group in groups:
+            self.engine.submit(group)
+        return groups
 
     # ---- generation --------------------------------------------------------------------------------
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,

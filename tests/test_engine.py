@@ -363,8 +363,8 @@ def test_abort_mid_flight_frees_blocks_and_slot(llm_async, reference):
 
 
 def test_stream_close_aborts_and_engine_recovers(llm_async, reference, monkeypatch):
-    streamed, add_group = [], llm_async.engine.add_group
-    monkeypatch.setattr(llm_async.engine, "add_group", lambda *a, **k: (g := add_group(*a, **k), streamed.extend(g))[0])
+    streamed, submit = [], llm_async.engine.submit
+    monkeypatch.setattr(llm_async.engine, "submit", lambda group: (submit(group), streamed.extend(group)))
     gen = llm_async.stream(PROMPTS[:3], greedy_params([20] * 3))
     first = next(gen)
     assert not first.finished and len(first.token_ids) >= 1

@@ -117,6 +117,16 @@ def confirm_tokens(req: Request, tokens: list[int], max_model_len: int, logprobs
     return tokens
 
 
+def row_logprobs(lp: dict, r: int, n: int, n_top: int | None) -> list | None:
+    """Row r's first n positions of a step's logprobs arrays (`logprob`, `top_ids`, `top_logprobs`), with the
+    n_top most likely tokens at each; None for a request that asked for no logprobs (n_top None)."""
+    if n_top is None:
+        return None
+    return [{"logprob": float(lp["logprob"][r, j]),
+             "top": list(zip(lp["top_ids"][r, j, :n_top].tolist(), lp["top_logprobs"][r, j, :n_top].tolist()))}
+            for j in range(n)]
+
+
 def renders_text(req: Request, tokenizer) -> bool:
     """Whether the request's text is read while it runs (streamed, or checked for stop strings) and is so
     rendered every step; otherwise it is decoded once, when the request ends (`final_text`)."""

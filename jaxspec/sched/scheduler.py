@@ -120,11 +120,37 @@ class Scheduler:
         return ScheduledRow(req, 1 + num_drafts, num_drafts, -1, (), sample=True)
 
     def _commit(self, row: ScheduledRow) -> ScheduledRow:
+        """The plan's optimistic part: the row's tokens count as computed (every draft accepted) and the row is
+        in flight until its step is read (`settle`)."""
         req = row.request
         req.num_computed += row.num_new
         req.in_flight += 1
         req.in_flight_samples += int(row.sample)
         return row
+
+    # ---- settling what was planned, once the step is read ------------------------------------------
+    def settle(self, row: ScheduledRow, num_accepted: int):
+        """The step that carried `row` has been read: the row is no longer in flight, and the drafts it
+        verified past the `num_accepted` the device accepted come off the request's count (`_commit` assumed
+        all of them accepted). A preempted or finished request's count is left alone (it is recomputed or gone)."""
+        req = row.request
+        req.in_flight -= 1
+        req.in_flight_samples -= int(row.sample)
+        if row.num_drafts and req.status is Status.RUNNING:
+            req.num_computed -= row.num_drafts - num_accepted
+
+    def cache_confirmed(self, row: ScheduledRow):
+        """After `settle` and the row's confirmed tokens: registers the request's blocks whose KV the read step
+        made final: confirmed tokens only, never drafts (a sampling row's last emitted token has no KV yet), and
+        with an EAGLE head all but the last of them (the head writes position p-1 when it is fed token p)."""
+        req = row.request
+        if req.status is not Status.RUNNING or not self.blocks.enable_prefix_caching:
+            return
+        num_computed = req.num_tokens - 1 if row.sample else row.start + row.num_new
+        num_final = num_computed - self.blocks.key_overlap
+        if num_final // self.blocks.block_size > len(req.block_hashes):
+            tokens = req.prompt_token_ids + req.output_token_ids
+            self.blocks.cache_blocks(req.block_ids, tokens, req.block_hashes, num_final)
 
     def _reserve(self, req: Request, num_tokens: int, rows: list[ScheduledRow]) -> bool:
         """Blocks for `num_tokens`; preempts the newest running requests not in `rows` (this step's so far)

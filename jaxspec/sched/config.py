@@ -1,0 +1,83 @@
+"""An engine's configuration, checked once, and the sizes it implies: the context length and the KV pool."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass
+class EngineConfig:
+    max_num_seqs: int = 16
+    max_model_len: int | None = None          # default: min(model's max positions, 4096)
+    max_num_batched_tokens: int = 512
+    block_size: int = 16
+    num_kv_blocks: int | None = None          # default: from kv_memory_fraction on a GPU, else enough for all
+    kv_memory_fraction: float | None = None   # share of free device memory for the KV pool (GPU default 0.5)
+    async_scheduling: bool = True
+    enable_prefix_caching: bool = True        # off by itself for models with per-slot (recurrent) layer state
+    warmup: bool = True
+    seed: int = 0
+    # Device-specific choices, measured on an H100 (docs/benchmarks.md); "auto" picks the GPU ones there.
+    attention: str = "auto"           # "pallas" (reads KV pages in place) or "reference" (jnp gather)
+    unroll_layers: bool | None = None  # layers unrolled (stacked weights indexed statically) or scanned
+    delta_rule: str = "auto"     # Gated DeltaNet recurrence: "reference" (JAX scan), "pallas" (kernel), "auto" (GPU: kernel)
+    tensor_parallel_size: int = 1     # devices the model is split over (nn/sharding.py)
+    structured_compile_timeout: float = 30.0   # seconds one request's structured-outputs constraint may compile
+
+    def validate(self):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} is invalid; it must be >= 1")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len={self.max_model_len} is invalid; it must be >= 2")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks={self.num_kv_blocks} is invalid; it must be >= 1")
+        if self.kv_memory_fraction is not None and not 0 < self.kv_memory_fraction < 1:
+            raise ValueError(f"kv_memory_fraction={self.kv_memory_fraction} is invalid; it must be in (0, 1)")
+        if not (isinstance(self.structured_compile_timeout, (int, float)) and self.structured_compile_timeout > 0):
+            raise ValueError(f"structured_compile_timeout={self.structured_compile_timeout!r} is invalid; it must be "
+                             "a number of seconds > 0")
+        if self.attention not in ("auto", "pallas", "reference"):
+            raise ValueError(f"attention={self.attention!r} is invalid; choose 'auto', 'pallas' or 'reference'")
+        if self.delta_rule not in ("auto", "pallas", "reference"):
+            raise ValueError(f"delta_rule={self.delta_rule!r} is invalid; choose 'auto', 'pallas' or 'reference'")
+
+    def resolve_max_model_len(self, model_config) -> int:
+        """The context length: the configured one, checked against the model's, or min(model's, 4096)."""
+        most = model_config.max_position_embeddings
+        max_model_len = self.max_model_len or min(most, 4096)
+        if max_model_len > most:
+            raise ValueError(f"max_model_len={max_model_len} is invalid for this model: it has "
+                             f"max_position_embeddings={most}; give max_model_len in [2, {most}]")
+        return max_model_len
+
+    def prefix_caching_off_because(self, recurrent_layer_kinds: list[str]) -> str | None:
+        """Why prefix caching is off (None: it is on). A cached block holds KV only: a layer kind with per-slot
+        state (a recurrent state) would need that state at the prefix's end too, which is not kept, so such
+        models run without the cache."""
+        if not self.enable_prefix_caching:
+            return "enable_prefix_caching=False"
+        if recurrent_layer_kinds:
+            return (f"the model's {', '.join(recurrent_layer_kinds)} layers keep a per-slot recurrent state that a "
+                    "cached block of KV does not hold (the state at the prefix's end is not saved), so reusing cached "
+                    "blocks would not be exact")
+        return None
+
+    def num_blocks(self, model_config, max_blocks_per_seq: int, dtype, tp=None) -> int:
+        """KV blocks in the pool: `num_kv_blocks` when given; on a GPU the blocks `kv_memory_fraction` (0.5) of
+        its free memory holds, at most enough for every slot at max_model_len; elsewhere exactly that many."""
+        if self.num_kv_blocks:
+            return self.num_kv_blocks
+        enough = self.max_num_seqs * max_blocks_per_seq
+        device = jax.devices()[0]
+        stats = device.memory_stats() if device.platform == "gpu" else None
+        if not stats:
+            return enough
+        mc = model_config
+        per_block = 2 * mc.num_layers * self.block_size * mc.num_kv_heads * mc.head_dim * jnp.dtype(dtype).itemsize
+        if tp is not None and tp.shard_attention:
+            per_block //= tp.size   # each device holds its KV heads' share of a block
+        free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
+        return max(1, min(enough, int(free * (self.kv_memory_fraction or 0.5) // per_block)))
