@@ -7,8 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec.nn.ops import gemv_matmuls, rms_norm
-from jaxspec.pallas.gemv import LayerWeights, Tiling, gemv, linear
+from jaxspec.nn.kernels import LayerWeights, gemv_linear
+from jaxspec.nn.ops import Ops, gemv_matmuls, rms_norm
+from jaxspec.pallas.gemv import Tiling, gemv
 
 EPS = 1e-6
 L, N, K = 3, 64, 256   # 3 stacked layers; the kernel reads layer 1 in place
@@ -52,9 +53,14 @@ def test_linear_picks_the_stacked_layer_and_rejects_bad_shapes():
     lp = LayerWeights({"w": w, "g": g}, 2)
     assert set(lp) == {"w", "g"} and lp["w"].shape == (N, K)   # a plain dict of the layer's slices
     want = r + rms_norm(x, g[2], EPS) @ w[2].T
-    for kernel in (True, False):
-        np.testing.assert_allclose(linear(x, lp, "w", norm="g", eps=EPS, residual=r, kernel=kernel), want,
-                                   rtol=1e-5, atol=1e-5)
+    # the kernel alone, Ops.linear through the kernel (the weight named in `gemv`), and XLA's dot
+    for got in (gemv_linear(x, lp, "w", norm="g", eps=EPS, residual=r),
+                Ops(gemv=frozenset({"w"})).linear(x, lp, "w", norm="g", eps=EPS, residual=r),
+                Ops().linear(x, lp, "w", norm="g", eps=EPS, residual=r)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert gemv_linear(x[:, :100], LayerWeights({"w": w[:, :, :100]}, 2), "w") is None   # no tiling fits K = 100
+    with pytest.raises(ValueError, match="an input norm needs both"):
+        Ops().linear(x, lp, "w", norm="g")
     with pytest.raises(ValueError, match="at most 32 rows"):
         gemv(jnp.zeros((33, K)), w, 0)
     with pytest.raises(ValueError, match="does not divide"):

@@ -374,9 +374,9 @@ def test_mtp_head_matches_the_reference(mtp_checkpoints, name):
         _, hidden, _ = Decoder(target.config).dense_forward(target_params, ids)             # after the final norm
         kv = schema.initialize(head.state_schema(CacheShape(num_kv_slots=n, num_slots=1)), jnp.float32)["attention"]
         batch = dense_pairs_batch(n)._replace(token_ids=ids[1:])
-        out, _ = head.forward(Ops(attention="dense", block_size=n), params, target_params, kv, ids[1:],
-                              hidden[:-1], batch)
-        return head.logits(params, target_params, out)
+        dense = Ops(attention="dense", block_size=n)
+        out, _ = head.forward(dense, params, target_params, kv, ids[1:], hidden[:-1], batch)
+        return head.logits(dense, params, target_params, out)
 
     got = pair_logits(target.params, params, jnp.asarray(ids, jnp.int32))
     assert relative_error(got, reference.pair_logits(ids)) <= TOLERANCE

@@ -110,9 +110,9 @@ def test_fused_attention_matches_rotary_write_and_attention(qkv_bias, qk_norm, n
     Layer 1 of two, its weights at index 1 of their stacks. One program per token and kv head (num_splits=1), and
     the 15-token step's default of 8 programs sharing each context (pages split between them, the step's own
     keys in the last one)."""
+    from jaxspec.nn.kernels import LayerWeights, fused_attention_fn
     from jaxspec.nn.layers import split_qkv, write_kv
-    from jaxspec.pallas.gemv import LayerWeights
-    from jaxspec.pallas.paged_attention import fused_attention_fn
+    from jaxspec.nn.ops import rope_cos_sin, rope_inv_freq
     cfg, stacks, qkv, k_pool, v_pool, batch, bs = _fused_case(qkv_bias, qk_norm)
     layer = 1
     lp = LayerWeights(stacks, layer)
@@ -120,7 +120,8 @@ def test_fused_attention_matches_rotary_write_and_attention(qkv_bias, qk_norm, n
     kv = write_kv({"k": k_pool, "v": v_pool}, layer, batch, k, v)
     want = paged_attention_reference(q, kv["k"], kv["v"], layer, batch, bs)
     want = jnp.where((batch.slot_mapping < k_pool.shape[1])[:, None], want, 0)   # padding: 0
-    out, k_new, v_new = fused_attention_fn(cfg, lp, qkv, k_pool, v_pool, layer, batch, bs, num_splits)
+    cos, sin = rope_cos_sin(batch.positions, rope_inv_freq(cfg))
+    out, k_new, v_new = fused_attention_fn(cfg, lp, qkv, cos, sin, k_pool, v_pool, layer, batch, bs, num_splits)
     np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=2e-5, atol=2e-5)
     np.testing.assert_allclose(np.asarray(k_new), np.asarray(kv["k"]), rtol=1e-6, atol=1e-6)
     np.testing.assert_array_equal(np.asarray(v_new), np.asarray(kv["v"]))

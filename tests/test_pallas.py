@@ -158,7 +158,7 @@ def test_delta_rule_kernel_matches_the_scan():
     of a stacked ring: the prefill row's tokens before its last W in the chunked kernels (one partial chunk of
     64, or two chunks of 2), the rest recurrent."""
     from jaxspec.nn.layers import delta_rule_scan
-    from jaxspec.pallas.delta_rule import delta_rule_fn
+    from jaxspec.nn.kernels import delta_rule_fn
     batch, q, k, v, beta, g, ring, real = ragged_delta_rule_inputs(0)
     for layer, chunk in ((0, 64), (1, 2)):
         want_o, want_ring = jax.jit(delta_rule_scan)(ring, layer, batch, q, k, v, beta, g)

@@ -222,9 +222,10 @@ def engine_head_pair_logits(target, drafter, dparams, ids):
     _, hidden, aux, _ = model.forward(target.params, state, dense_batch(ids, jnp.arange(N), N),
                                          drafter.aux_layers)
     kv = schema.initialize(head.state_schema(CacheShape(num_kv_slots=N, num_slots=1)), jnp.float32)["attention"]
-    out, _ = head.forward(dense, dparams, target.params, kv, ids[1:], head.features(dparams, hidden, aux)[:-1],
+    feature = head.features(dense, dparams, hidden, aux)[:-1]
+    out, _ = head.forward(dense, dparams, target.params, kv, ids[1:], feature,
                           dense_batch(ids[1:], jnp.arange(N - 1), N))
-    return head.logits(dparams, target.params, out)
+    return head.logits(dense, dparams, target.params, out)
 
 
 @pytest.mark.parametrize("method", ["eagle", "eagle3"])

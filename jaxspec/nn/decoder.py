@@ -17,10 +17,10 @@ import itertools
 import jax
 import jax.numpy as jnp
 
+from jaxspec.nn.kernels import LayerWeights
 from jaxspec.nn.layers import LAYER_KINDS, CacheShape, per_slot_fields
 from jaxspec.nn.ops import ForwardBatch, Ops, rms_norm
 from jaxspec.nn.schema import Spec, initialize
-from jaxspec.pallas.gemv import LayerWeights
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,14 +103,14 @@ class Decoder:
             state[kind_name] = st
         aux = jnp.stack([after[a] for a in aux_layers]) if aux_layers else None
         hidden = rms_norm(h, params["final_norm"], c.rms_norm_eps)
-        logits = self.logits(params, hidden[batch.logits_indices])
+        logits = self.logits(params, hidden[batch.logits_indices], ops)
         return logits, hidden, aux, state
 
     @staticmethod
-    def logits(params: dict, hidden):
-        """hidden [N, D] -> f32 logits [N, V] (tied embeddings when there is no lm_head)."""
-        head = params.get("lm_head", params["embed"])
-        return jnp.einsum("nd,vd->nv", hidden, head, preferred_element_type=jnp.float32)
+    def logits(params: dict, hidden, ops: Ops = Ops()):
+        """hidden [N, D] -> f32 logits [N, V] (tied embeddings when there is no lm_head), through `ops.linear`
+        (the engine's Ops; the default computes with XLA's dot)."""
+        return ops.linear(hidden, params, "lm_head" if "lm_head" in params else "embed", out_dtype=jnp.float32)
 
     def per_slot_fields(self, cache: CacheShape) -> dict[str, list[str]]:
         return {k: per_slot_fields(LAYER_KINDS[k].state(self.config, cache)) for k in self.kinds}

@@ -17,6 +17,8 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from jaxspec.nn.decoder import Decoder
+from jaxspec.nn.kernels import LayerWeights
 from jaxspec.nn.layers import CacheShape, attention, attention_params, kv_state, mlp, mlp_params
 from jaxspec.nn.ops import ForwardBatch, Ops, rms_norm
 from jaxspec.nn.schema import Spec
@@ -63,11 +65,11 @@ class EagleHead:
         n = 1 if self.method == "eagle3" else self.config.num_layers
         return {"attention": {k: s.stacked(n) for k, s in kv_state(self.config, cache).items()}}
 
-    def features(self, params, hidden, aux):
+    def features(self, ops: Ops, params, hidden, aux):
         """The feature of every token of the target's batch [T, D]: fc of the aux streams (EAGLE-3) or the
         target's final hidden (EAGLE-1)."""
         if self.method == "eagle3":
-            return jnp.concatenate(list(aux), axis=-1) @ params["fc"].T
+            return ops.linear(jnp.concatenate(list(aux), axis=-1), params, "fc")
         return hidden
 
     def forward(self, ops: Ops, params, target_params, kv, ids, feature, batch: ForwardBatch):
@@ -78,31 +80,29 @@ class EagleHead:
         feature = feature.astype(emb.dtype)
         layers = params["layers"]["attention"]
         if self.method == "eagle3":
-            lp = {k: w[0] for k, w in layers.items()}
+            lp = LayerWeights(layers, 0)
             attn_in = jnp.concatenate([rms_norm(emb, lp["attn_norm"], c.rms_norm_eps),
                                        rms_norm(feature, params["hidden_norm"], c.rms_norm_eps)], axis=-1)  # [T, 2D]
             attn, kv = attention(c, ops, lp, attn_in, kv, 0, batch)
-            return mlp(c, lp, feature + attn), kv
-        x = jnp.concatenate([emb, feature], axis=-1) @ params["fc"].T                         # [T, D]
+            return mlp(c, ops, lp, feature + attn), kv
+        x = ops.linear(jnp.concatenate([emb, feature], axis=-1), params, "fc")                # [T, D]
         if "fc_bias" in params:
             x = x + params["fc_bias"]
         for i in range(c.num_layers):
-            lp = {k: w[i] for k, w in layers.items()}
+            lp = LayerWeights(layers, i)
             attn_in = rms_norm(x, lp["attn_norm"], c.rms_norm_eps) if i else x                # layer 0: no norm
             attn, kv = attention(c, ops, lp, attn_in, kv, i, batch)
-            x = mlp(c, lp, x + attn)
+            x = mlp(c, ops, lp, x + attn)
         return x, kv
 
-    def logits(self, params, target_params, hidden):
+    def logits(self, ops: Ops, params, target_params, hidden):
         """Output hidden [N, D] -> f32 logits over the target vocabulary [N, V] (EAGLE-3: -inf outside the
         draft vocabulary)."""
         c, V = self.config, self.target_config.vocab_size
         if self.method == "eagle3":
-            normed = rms_norm(hidden, params["norm"], c.rms_norm_eps)
-            draft = jnp.einsum("nd,vd->nv", normed, params["lm_head"], preferred_element_type=jnp.float32)
+            draft = ops.linear(hidden, params, "lm_head", norm="norm", eps=c.rms_norm_eps, out_dtype=jnp.float32)
             full = jnp.full((hidden.shape[0], V), -jnp.inf, jnp.float32)
             return full.at[:, params["draft_to_target"]].set(draft)
         if "norm" in params:
             hidden = rms_norm(hidden, params["norm"], c.rms_norm_eps)
-        head = target_params.get("lm_head", target_params["embed"])
-        return jnp.einsum("nd,vd->nv", hidden, head, preferred_element_type=jnp.float32)
+        return Decoder.logits(target_params, hidden, ops)

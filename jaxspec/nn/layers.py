@@ -23,7 +23,8 @@ from typing import Protocol
 import jax
 import jax.numpy as jnp
 
-from jaxspec.nn.ops import ForwardBatch, Ops, apply_rope, rms_norm, rope_inv_freq
+from jaxspec.nn import kernels
+from jaxspec.nn.ops import ForwardBatch, Ops, apply_rope, rms_norm, rope_cos_sin, rope_inv_freq
 from jaxspec.nn.schema import Spec
 
 
@@ -121,9 +122,9 @@ def kv_state(c, cache: CacheShape) -> dict[str, Spec]:
     return {"k": pool, "v": pool}
 
 
-def project_qkv(c, lp, x, positions):
+def project_qkv(c, ops: Ops, lp, x, positions):
     """x [T, Din] (already normed) -> q [T, Hq, hd], k and v [T, Hkv, hd], q and k rotated to `positions`."""
-    return split_qkv(c, lp, x @ lp["qkv_proj"].T, positions)
+    return split_qkv(c, lp, ops.linear(x, lp, "qkv_proj"), positions)
 
 
 def split_qkv(c, lp, qkv, positions):
@@ -143,8 +144,8 @@ def split_qkv(c, lp, qkv, positions):
 def attention(c, ops: Ops, lp, x, kv: dict, i, batch: ForwardBatch):
     """x [T, Din] (already normed) -> (attention output after o_proj [T, D], kv with this step's k/v written
     into layer i of the pools)."""
-    out, kv = attend_qkv(c, ops, lp, x @ lp["qkv_proj"].T, kv, i, batch)          # [T, Hq*hd]
-    return out.astype(x.dtype) @ lp["o_proj"].T, kv
+    out, kv = attend_qkv(c, ops, lp, ops.linear(x, lp, "qkv_proj"), kv, i, batch)   # [T, Hq*hd]
+    return ops.linear(out.astype(x.dtype), lp, "o_proj"), kv
 
 
 def attend_qkv(c, ops: Ops, lp, qkv, kv: dict, i, batch: ForwardBatch):
@@ -152,8 +153,9 @@ def attend_qkv(c, ops: Ops, lp, qkv, kv: dict, i, batch: ForwardBatch):
     step's k/v written into layer i): bias, q/k norms and rotary, the KV write and the attention, in one kernel
     where `ops.fuses_kv_write` (jaxspec.pallas.paged_attention), else as separate operations."""
     if ops.fuses_kv_write(batch):
-        from jaxspec.pallas.paged_attention import fused_attention_fn
-        out, k_pool, v_pool = fused_attention_fn(c, lp, qkv, kv["k"], kv["v"], i, batch, ops.block_size)
+        cos, sin = rope_cos_sin(batch.positions, rope_inv_freq(c))                         # [T, hd/2]
+        out, k_pool, v_pool = kernels.fused_attention_fn(c, lp, qkv, cos, sin, kv["k"], kv["v"], i, batch,
+                                                         ops.block_size)
         return out, {**kv, "k": k_pool, "v": v_pool}
     q, k, v = split_qkv(c, lp, qkv, batch.positions)
     kv = write_kv(kv, i, batch, k, v)
@@ -167,19 +169,18 @@ def write_kv(kv: dict, i, batch: ForwardBatch, k, v) -> dict:
             "v": kv["v"].at[i, batch.slot_mapping].set(v.astype(kv["v"].dtype), mode="drop")}
 
 
-def mlp(c, lp, h):
+def mlp(c, ops: Ops, lp, h):
     """h + down(silu(gate) * up) of the normed h [T, D]."""
-    x = rms_norm(h, lp["mlp_norm"], c.rms_norm_eps)
-    w = lp["gate_up_proj"]                                                        # [F, 2, D]
-    gate_up = (x @ w.reshape(-1, w.shape[-1]).T).reshape(x.shape[0], w.shape[0], 2)  # [T, F, 2]
-    return h + (jax.nn.silu(gate_up[..., 0]) * gate_up[..., 1]) @ lp["down_proj"].T
+    act = ops.linear(h, lp, "gate_up_proj", norm="mlp_norm", eps=c.rms_norm_eps)      # [T, F]
+    return ops.linear(act, lp, "down_proj", residual=h)
 
 
 # ---- layer kinds -------------------------------------------------------------------------------------------
 
 class Attention:
     """The Llama / Qwen2 / Qwen3 decoder layer: RMSNorm -> grouped-query attention over the paged KV -> residual
-    -> RMSNorm -> SwiGLU MLP -> residual."""
+    -> RMSNorm -> SwiGLU MLP -> residual. Each norm, SwiGLU and residual add is an argument of the projection next
+    to it (`Ops.linear`), so that a kernel that runs the projection can hold it too."""
     name = "attention"
 
     def params(self, c):
@@ -189,22 +190,10 @@ class Attention:
         return kv_state(c, cache)
 
     def __call__(self, c, ops, lp, h, state, i, batch):
-        if ops.use_gemv(h.shape[0]):
-            return self.fused(c, ops, lp, h, state, i, batch)
-        attn, state = attention(c, ops, lp, rms_norm(h, lp["attn_norm"], c.rms_norm_eps), state, i, batch)
-        return mlp(c, lp, h + attn), state
-
-    @staticmethod
-    def fused(c, ops, lp, h, kv, i, batch):
-        """The same layer for decode-sized steps on a GPU, with the matmuls named in `ops.gemv` as gemv kernels
-        (jaxspec.pallas.gemv) that hold the norm before them, the SwiGLU or the residual add after them."""
-        from jaxspec.pallas.gemv import linear
-        eps, kernel = c.rms_norm_eps, ops.gemv
-        qkv = linear(h, lp, "qkv_proj", norm="attn_norm", eps=eps, kernel="qkv_proj" in kernel)  # [T, Hkv*(G+2)*hd]
-        out, kv = attend_qkv(c, ops, lp, qkv, kv, i, batch)                                  # [T, Hq*hd]
-        h = linear(out.astype(h.dtype), lp, "o_proj", residual=h, kernel="o_proj" in kernel)  # h + attention
-        act = linear(h, lp, "gate_up_proj", norm="mlp_norm", eps=eps, kernel="gate_up_proj" in kernel)  # [T, F]
-        return linear(act, lp, "down_proj", residual=h, kernel="down_proj" in kernel), kv      # h + mlp
+        qkv = ops.linear(h, lp, "qkv_proj", norm="attn_norm", eps=c.rms_norm_eps)      # [T, Hkv*(G+2)*hd]
+        out, state = attend_qkv(c, ops, lp, qkv, state, i, batch)                         # [T, Hq*hd]
+        h = ops.linear(out.astype(h.dtype), lp, "o_proj", residual=h)                     # h + attention
+        return mlp(c, ops, lp, h), state
 
 
 # ---- hybrids: Qwen3-Next and Qwen3.5 (Gated DeltaNet + gated full attention, dense MLP or MoE) ---------------
@@ -214,8 +203,8 @@ def ffn_params(c) -> dict[str, Spec]:
     return moe_params(c) if c.moe else mlp_params(c)
 
 
-def ffn(c, lp, h):
-    return moe(c, lp, h) if c.moe else mlp(c, lp, h)
+def ffn(c, ops: Ops, lp, h):
+    return moe(c, ops, lp, h) if c.moe else mlp(c, ops, lp, h)
 
 
 def moe_params(c) -> dict[str, Spec]:
@@ -233,14 +222,14 @@ def moe_params(c) -> dict[str, Spec]:
     return p
 
 
-def moe(c, lp, h):
+def moe(c, ops: Ops, lp, h):
     """h + MoE(normed h): softmax router, top-k experts per token (weights renormalised when norm_topk_prob),
-    each token's k (token, expert) pairs sorted by expert and run as one grouped matmul (`jax.lax.ragged_dot`),
-    no per-expert loop; plus sigmoid(shared_gate . x) * shared expert."""
+    each token's k (token, expert) pairs sorted by expert and run as one grouped matmul (`Ops.linear` with the
+    experts' group sizes: `jax.lax.ragged_dot`), no per-expert loop; plus sigmoid(shared_gate . x) * shared expert."""
     T, D = h.shape
     E, k = c.num_experts, c.num_experts_per_tok
     x = rms_norm(h, lp["mlp_norm"], c.rms_norm_eps)
-    probs = jax.nn.softmax((x @ lp["router"].T).astype(jnp.float32), axis=-1)          # [T, E]
+    probs = jax.nn.softmax(ops.linear(x, lp, "router").astype(jnp.float32), axis=-1)   # [T, E]
     top_w, top_e = jax.lax.top_k(probs, k)                                              # [T, k]
     if c.norm_topk_prob:
         top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)
@@ -248,18 +237,13 @@ def moe(c, lp, h):
     order = jnp.argsort(flat_e, stable=True)                                            # pairs grouped by expert
     token = order // k
     group_sizes = jnp.bincount(flat_e, length=E).astype(jnp.int32)
-    wgu = lp["experts_gate_up"]                                                         # [E, D, F, 2]
-    gu = jax.lax.ragged_dot(x[token], wgu.reshape(E, D, -1), group_sizes)              # [T*k, F*2]
-    gu = gu.reshape(T * k, -1, 2)
-    act = jax.nn.silu(gu[..., 0]) * gu[..., 1]                                          # [T*k, F]
-    out = jax.lax.ragged_dot(act.astype(x.dtype), lp["experts_down"], group_sizes)      # [T*k, D]
+    act = ops.linear(x[token], lp, "experts_gate_up", group_sizes=group_sizes)         # [T*k, F]
+    out = ops.linear(act.astype(x.dtype), lp, "experts_down", group_sizes=group_sizes)  # [T*k, D]
     out = out * top_w.reshape(-1)[order][:, None].astype(out.dtype)
     y = jnp.zeros((T, D), out.dtype).at[token].add(out)
     if "shared_gate_up" in lp:
-        w = lp["shared_gate_up"]
-        sgu = (x @ w.reshape(-1, D).T).reshape(T, w.shape[0], 2)
-        shared = (jax.nn.silu(sgu[..., 0]) * sgu[..., 1]) @ lp["shared_down"].T
-        y = y + jax.nn.sigmoid(x @ lp["shared_gate"].T) * shared
+        shared = ops.linear(ops.linear(x, lp, "shared_gate_up"), lp, "shared_down")
+        y = y + jax.nn.sigmoid(ops.linear(x, lp, "shared_gate")) * shared
     return h + y.astype(h.dtype)
 
 
@@ -290,8 +274,7 @@ class GatedAttention:
     def __call__(self, c, ops, lp, h, state, i, batch):
         T, hd, Hq, Hkv = h.shape[0], c.head_dim, c.num_heads, c.num_kv_heads
         G = Hq // Hkv
-        x = rms_norm(h, lp["attn_norm"], c.rms_norm_eps)
-        qkv = (x @ lp["qkv_proj"].T).reshape(T, Hkv, 2 * G + 2, hd)
+        qkv = ops.linear(h, lp, "qkv_proj", norm="attn_norm", eps=c.rms_norm_eps).reshape(T, Hkv, 2 * G + 2, hd)
         q, gate = qkv[:, :, :G].reshape(T, Hq, hd), qkv[:, :, G:2 * G].reshape(T, Hq * hd)
         k, v = qkv[:, :, 2 * G], qkv[:, :, 2 * G + 1]
         q, k = rms_norm(q, lp["q_norm"], c.rms_norm_eps), rms_norm(k, lp["k_norm"], c.rms_norm_eps)
@@ -299,8 +282,8 @@ class GatedAttention:
         state = write_kv(state, i, batch, k, v)
         out = ops.attend(q, state["k"], state["v"], i, batch).astype(h.dtype)          # [T, Hq*hd]
         out = out * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(h.dtype)
-        h = h + out @ lp["o_proj"].T
-        return ffn(c, lp, h), state
+        h = ops.linear(out, lp, "o_proj", residual=h)
+        return ffn(c, ops, lp, h), state
 
 
 def l2_normalize(x, eps: float = 1e-6):
@@ -353,8 +336,8 @@ class GatedDeltaNet:
     def __call__(self, c, ops, lp, h, state, i, batch):
         T = h.shape[0]
         Hk, Hv, dk, dv, C = self.dims(c)
-        x = rms_norm(h, lp["attn_norm"], c.rms_norm_eps)
-        qkv, z, b, a = jnp.split(x @ lp["in_proj"].T, [C, C + Hv * dv, C + Hv * dv + Hv], axis=-1)
+        proj = ops.linear(h, lp, "in_proj", norm="attn_norm", eps=c.rms_norm_eps)
+        qkv, z, b, a = jnp.split(proj, [C, C + Hv * dv, C + Hv * dv + Hv], axis=-1)
         window = conv_window(state["conv"], i, batch, qkv, c.linear_conv_kernel_dim)      # [T, K, C]
         conv = jnp.einsum("tkc,kc->tc", window.astype(jnp.float32), lp["conv_weight"].astype(jnp.float32))
         q, k, v = jnp.split(jax.nn.silu(conv), [Hk * dk, 2 * Hk * dk], axis=-1)
@@ -368,8 +351,8 @@ class GatedDeltaNet:
         state = {**state, "conv": write_ring(state["conv"], i, batch, qkv), "ssm": ssm}
         o = rms_norm(o, lp["gdn_norm"].astype(jnp.float32), c.rms_norm_eps)            # [T, Hv, dv]
         o = o * jax.nn.silu(z.reshape(T, Hv, dv).astype(jnp.float32))
-        h = h + o.reshape(T, Hv * dv).astype(h.dtype) @ lp["out_proj"].T
-        return ffn(c, lp, h), state
+        h = ops.linear(o.reshape(T, Hv * dv).astype(h.dtype), lp, "out_proj", residual=h)
+        return ffn(c, ops, lp, h), state
 
 
 def conv_window(ring, i, batch: ForwardBatch, inputs, K: int):
@@ -390,8 +373,7 @@ def conv_window(ring, i, batch: ForwardBatch, inputs, K: int):
 def delta_rule(ops: Ops):
     """The recurrence `ops` chose: the scan below (the reference) or the Pallas kernel, with one contract."""
     if ops.delta_rule == "pallas":
-        from jaxspec.pallas.delta_rule import delta_rule_fn
-        return delta_rule_fn
+        return kernels.delta_rule_fn
     return delta_rule_scan
 
 

@@ -19,6 +19,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from jaxspec.nn.decoder import Decoder
+from jaxspec.nn.kernels import LayerWeights
 from jaxspec.nn.layers import LAYER_KINDS, CacheShape, kv_state
 from jaxspec.nn.ops import ForwardBatch, Ops, rms_norm
 from jaxspec.nn.schema import Spec
@@ -49,7 +50,7 @@ class MtpHead:
         """Its KV pools, one layer ([1, S, Hkv, hd] each), under the key the EAGLE drafter reads."""
         return {"attention": {k: s.stacked(1) for k, s in kv_state(self.config, cache).items()}}
 
-    def features(self, params, hidden, aux):
+    def features(self, ops: Ops, params, hidden, aux):
         """The feature of every token of the target's batch: its hidden state after the final norm [T, D]."""
         return hidden
 
@@ -60,11 +61,12 @@ class MtpHead:
         emb = embed[jnp.clip(ids, 0, embed.shape[0] - 1)]                                   # [T, D]
         x = jnp.concatenate([rms_norm(emb, params["pre_fc_norm_embedding"], c.rms_norm_eps),
                              rms_norm(feature.astype(emb.dtype), params["pre_fc_norm_hidden"], c.rms_norm_eps)],
-                            axis=-1) @ params["fc"].T                                        # [T, D]
-        lp = {k: w[0] for k, w in params["layers"][MTP_LAYER_KIND].items()}
+                            axis=-1)                                                         # [T, 2D]
+        x = ops.linear(x, params, "fc")                                                      # [T, D]
+        lp = LayerWeights(params["layers"][MTP_LAYER_KIND], 0)
         x, kv = LAYER_KINDS[MTP_LAYER_KIND](c, ops, lp, x, kv, 0, batch)
         return rms_norm(x, params["norm"], c.rms_norm_eps), kv
 
-    def logits(self, params, target_params, out):
+    def logits(self, ops: Ops, params, target_params, out):
         """out [N, D] -> f32 logits [N, V] through the target's lm_head (its embedding when tied)."""
-        return Decoder.logits(target_params, out)
+        return Decoder.logits(target_params, out, ops)

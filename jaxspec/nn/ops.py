@@ -1,5 +1,6 @@
 """The operations every layer shares (RMSNorm, rotary embedding, paged attention), and `Ops`: the swappable
-choices (which attention and delta-rule kernels, unrolled or scanned layers), made once per engine in one place.
+choices (which matmul, attention and delta-rule kernels, unrolled or scanned layers), made once per engine in one
+place. Every projection of every layer, head and drafter is one call of `Ops.linear`.
 
 Shapes: T tokens in this step (a ragged mix of prefill chunks, decode tokens and verify segments of
 different requests), R request rows, MB blocks per row, S = num_blocks * block_size flat KV slots, L layers,
@@ -14,6 +15,9 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+
+from jaxspec.nn import kernels
+from jaxspec.pallas import paged_attention as pa
 
 
 class ForwardBatch(NamedTuple):
@@ -165,11 +169,11 @@ class Ops:
     cublas_from_tokens: int | None = None
     autotune_cache_dir: str | None = None
     delta_rule: str = "reference"
-    # The dense layer's matmuls (weight names) that steps of at most GEMV_MAX_TOKENS tokens run as
-    # jaxspec.pallas.gemv kernels, the norm, SwiGLU or residual add next to each inside it (one device: a split
-    # model keeps XLA's sharded matmuls, `use_gemv`). On a GPU down alone by default (JAXSPEC_GEMV): on an H100
-    # it is the one the kernel wins (the 1.5B's step 4% faster); XLA's GEMMs are faster on q/k/v, o and gate/up,
-    # and the whole set is 12% slower (docs/benchmarks.md).
+    # The matmuls (weight names) that steps of at most GEMV_MAX_TOKENS tokens run as jaxspec.pallas.gemv
+    # kernels, the norm, SwiGLU or residual add next to each inside it (`linear`; one device: a split model keeps
+    # XLA's sharded matmuls, `use_gemv`). On a GPU down alone by default (JAXSPEC_GEMV): on an H100 it is the one
+    # the kernel wins (the 1.5B's step 4% faster); XLA's GEMMs are faster on q/k/v, o and gate/up, and the whole
+    # set is 12% slower (docs/benchmarks.md).
     gemv: frozenset = frozenset()
     # The Pallas attention with the q/k rotary embedding and the KV write inside (`fuses_kv_write`): one kernel
     # instead of five per layer. JAXSPEC_FUSED_ATTENTION=0 keeps them apart (for measuring).
@@ -177,6 +181,42 @@ class Ops:
 
     def use_gemv(self, num_tokens: int) -> bool:
         return bool(self.gemv) and self.tp is None and num_tokens <= GEMV_MAX_TOKENS
+
+    def linear(self, x, lp, name: str, *, norm: str | None = None, eps: float | None = None, residual=None,
+               group_sizes=None, out_dtype=None):
+        """One projection: x [..., K] @ lp[name].T -> [..., N], the one function every matmul against a weight
+        goes through (layers, heads, drafters, training), so that a kernel or a weight format is chosen here once.
+
+        norm, eps: the rms_norm of x by the weight lp[norm] first (a layer's input norm). residual [..., N]: added
+        after. A gate/up pair weight [F, 2, K] gives silu(gate) * up [..., F]. group_sizes i32[E]: x's rows are
+        grouped by expert (the first group_sizes[0] rows go to expert 0, ...) and lp[name] holds the experts'
+        weights [E, K, N] (pairs [E, K, F, 2]): one grouped matmul. out_dtype: the product's dtype (float32
+        logits from bf16 weights); None: the operands'. The weight is named, not passed, so that a kernel can read the
+        whole stacked weight in place (`kernels.LayerWeights`).
+
+        Steps of at most GEMV_MAX_TOKENS tokens run the weights named in `gemv` as gemv kernels with the norm,
+        SwiGLU and residual inside; everything else is XLA's dot, with the norm, SwiGLU and residual as XLA ops."""
+        if (norm is None) != (eps is None):
+            raise ValueError(f"norm={norm!r} and eps={eps!r}: an input norm needs both its weight's name and eps")
+        if (name in self.gemv and group_sizes is None and out_dtype is None and x.ndim == 2
+                and self.use_gemv(x.shape[0])):
+            y = kernels.gemv_linear(x, lp, name, norm=norm, eps=eps, residual=residual)
+            if y is not None:   # None: no kernel tiling divides this weight
+                return y
+        w = lp[name]
+        if norm is not None:
+            x = rms_norm(x, lp[norm], eps)
+        if group_sizes is not None:
+            pairs = w.ndim == 4
+            y = jax.lax.ragged_dot(x, w.reshape(*w.shape[:2], -1), group_sizes, preferred_element_type=out_dtype)
+        else:
+            pairs = w.ndim == 3
+            w = w.reshape(-1, w.shape[-1])      # pairs [F, 2, K]: gate and up rows interleaved, [2F, K]
+            y = x @ w.T if out_dtype is None else jnp.einsum("...k,nk->...n", x, w, preferred_element_type=out_dtype)
+        if pairs:
+            y = y.reshape(*y.shape[:-1], -1, 2)
+            y = jax.nn.silu(y[..., 0]) * y[..., 1]
+        return y if residual is None else residual + y
 
     def __post_init__(self):
         if self.attention not in ("pallas", "reference", "dense"):
@@ -221,7 +261,6 @@ class Ops:
         """Whether `attend_qkv` runs the kernel with the rotary embedding and the KV write inside: the Pallas
         attention on one device, and a batch that says where each row's step begins. A NUM_SPLITS other than 1
         (the unfused kernel's, set by profile_step's --attention-splits to measure it) keeps the unfused one."""
-        from jaxspec.pallas import paged_attention as pa
         return (self.fused_attention and self.attention == "pallas" and self.tp is None and pa.NUM_SPLITS == 1
                 and batch.first_in_step is not None)
 
@@ -233,8 +272,7 @@ class Ops:
 
     def _attend_local(self, q, k_pool, v_pool, layer, batch: ForwardBatch):
         if self.attention == "pallas":
-            from jaxspec.pallas.paged_attention import paged_attention_fn
-            return paged_attention_fn(q, k_pool, v_pool, layer, batch, self.block_size)
+            return kernels.paged_attention_fn(q, k_pool, v_pool, layer, batch, self.block_size)
         if self.attention == "dense":
             return dense_causal_attention(q, k_pool, v_pool, layer, batch, self.block_size)
         return paged_attention_reference(q, k_pool, v_pool, layer, batch, self.block_size)

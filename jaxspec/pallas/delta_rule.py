@@ -17,8 +17,9 @@ A row's tokens before its last W (prefill chunks) go first to `delta_rule_chunke
 form in chunks of CHUNK tokens: `_prep_kernel`, parallel over every chunk and head, does the matmuls that do
 not depend on the state a chunk starts from ((I + A)^-1 among them), and `_state_kernel` carries the state
 through each row's chunks in order, three matmuls a chunk. The recurrent kernel then walks the row's last W (or
-fewer) tokens from the state the chunks left, and writes their ring entries. `delta_rule_fn` says why it is
-split so. `jaxspec.nn.layers.delta_rule_chunked` is the chunked form's plain-JAX reference.
+fewer) tokens from the state the chunks left, and writes their ring entries. `jaxspec.nn.kernels.delta_rule_fn`
+(the layer's entry point) says why it is split so. `jaxspec.nn.layers.delta_rule_chunked` is the chunked form's
+plain-JAX reference.
 
 Shapes: T tokens, R rows, Hv value heads of key width dk and value width dv (powers of two: Triton tiles).
 """
@@ -267,36 +268,3 @@ def delta_rule_chunked(q, k, v, beta, g, ring, layer, first, count, slot, start,
         name="delta_rule_chunk_state",
         **params(num_warps[1]),
     )(*state_in)
-
-
-def delta_rule_fn(ring, i, batch, q, k, v, beta, g, *, chunked: bool = True, **options):
-    """`jaxspec.nn.layers.delta_rule_scan`'s contract over the kernels: per row, its first token, its tokens that
-    keep state, its slot and first position from the ForwardBatch. -> (o [T, Hv, dv], ring). chunked=False:
-    every row on the recurrent kernel (benchmarks); `options` go to `delta_rule_chunked`.
-
-    One compiled step holds rows of every kind (prefill chunks, decode and verify rows) and how many tokens a
-    row has is device data, so the split between the kernels is made per row on the device, never from a
-    Python value: a row of n tokens that keep state gives its first max(n - W, 0) to the chunked kernel, and
-    the recurrent kernel walks the rest (at most W) from the state the chunks left. Those last W are the
-    tokens whose states the ring keeps (the next step may start after any of a verify row's tokens; a hybrid
-    draft model's folded pass is read before its last), and the chunked form has no state between a chunk's
-    tokens. The hand-over is the ring entry just before the recurrent part's first position: the entry it
-    reads anyway, and one it overwrites in the same step, so the ring ends as the scan leaves it. Decode and
-    verify rows (n <= W) go to the recurrent kernel alone; a step of at most W tokens cannot hold a longer
-    row, and has no chunked kernels at all (compiled out: T and W are shapes), while in larger steps rows
-    without chunked tokens leave their programs at once: on the H100, steps of 8 or 32 decode or verify rows
-    took 4-9 us more per layer than the recurrent kernel alone (the two launches), docs/benchmarks.md."""
-    T, R, W = q.shape[0], batch.block_tables.shape[0], ring.shape[2]
-    written = jnp.ones((T,), bool) if batch.writes_state is None else batch.writes_state
-    count = jax.ops.segment_sum(written.astype(jnp.int32), batch.row_of_token, num_segments=R)
-    first = batch.first_token_of_row
-    start = batch.positions[jnp.clip(first, 0, T - 1)]
-    o = None
-    if chunked and T > W:
-        head = jnp.maximum(count - W, 0)
-        # rows with chunked tokens have more than W tokens: at most T // (W + 1) of them
-        C = options.get("chunk", CHUNK)
-        options.setdefault("max_chunks", -(-T // C) + min(R, T // (W + 1)))
-        o, ring = delta_rule_chunked(q, k, v, beta, g, ring, i, first, head, batch.slot_of_row, start, **options)
-        first, count, start = first + head, count - head, start + head
-    return delta_rule_recurrent(q, k, v, beta, g, ring, i, first, count, batch.slot_of_row, start, o)

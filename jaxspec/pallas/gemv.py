@@ -29,8 +29,6 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxspec.nn.ops import rms_norm
-
 MAX_ROWS = 32   # tokens the kernel takes; larger steps are matrix-bound and go to XLA's GEMMs
 
 
@@ -149,24 +147,7 @@ def gemv(x, w, layer, norm=None, residual=None, *, tiling: Tiling = Tiling(), ep
     return out
 
 
-# ---- the layer's entry point: which weight, which tiling -----------------------------------------------------
-
-class LayerWeights(dict):
-    """One layer's weights as the unrolled decoder hands them to a layer: `lp[name]` is the layer's slice, as in
-    a plain dict, and `stack(name)` the whole stacked weight and the layer's index, which the kernels read in
-    place (a sliced weight passed to a kernel would be copied first)."""
-
-    def __init__(self, stacks: dict, index: int):
-        super().__init__({name: w[index] for name, w in stacks.items()})
-        self.stacks, self.index = stacks, index
-
-    def stack(self, name: str):
-        return self.stacks[name], self.index
-
-
-def _stacked(lp, name: str):
-    return lp.stack(name) if isinstance(lp, LayerWeights) else (lp[name][None], 0)
-
+# ---- which tiling for which matmul ---------------------------------------------------------------------------
 
 def _largest_dividing(n: int, options) -> int | None:
     return next((o for o in options if n % o == 0), None)
@@ -189,28 +170,3 @@ def tiling_for(N: int, K: int, *, norm: bool, pairs: bool) -> Tiling | None:
         if bk is None or N % bn:
             return None
     return Tiling(bn, bk, S, warps, stages)
-
-
-def linear(x, lp, name: str, *, norm: str | None = None, eps: float | None = None, residual=None,
-           kernel: bool = True):
-    """x [T, K] @ lp[name].T with the layer's rms_norm `norm` applied to x first, and `residual` added; a gate/up
-    weight [F, 2, K] gives silu(gate) * up [T, F]. With `kernel`, one gemv kernel (two where K is split: the
-    partial sums are added, with the residual, by one XLA fusion); XLA's ops otherwise or where no tiling fits."""
-    w, layer = _stacked(lp, name)
-    pairs = w.ndim == 4
-    g = None
-    if norm is not None:
-        g, g_layer = _stacked(lp, norm)
-        assert g_layer == layer
-    tiling = tiling_for(w.shape[1], x.shape[1], norm=norm is not None, pairs=pairs) if kernel else None
-    if tiling is None:
-        y = x if norm is None else rms_norm(x, g[layer], eps)
-        y = y @ (w[layer].reshape(-1, w.shape[-1]).T)
-        if pairs:
-            y = y.reshape(x.shape[0], -1, 2)
-            y = jax.nn.silu(y[..., 0]) * y[..., 1]
-        return y if residual is None else residual + y
-    if tiling.splits > 1:   # (norm and pairs tilings are never split)
-        y = gemv(x, w, layer, tiling=tiling).sum(0)
-        return (y if residual is None else residual.astype(jnp.float32) + y).astype(x.dtype)
-    return gemv(x, w, layer, g, residual, tiling=tiling, eps=eps)

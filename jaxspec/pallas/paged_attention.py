@@ -172,14 +172,6 @@ def paged_attention(q, k_pool, v_pool, layer, positions, row_of_token, block_tab
     return out.reshape(T, Hq * hd)
 
 
-def paged_attention_fn(q, k_pool, v_pool, layer, batch, block_size: int):
-    """`Ops.attend` over the kernel. Padding tokens (their KV write dropped: slot past the pool) get position
-    -1, so their programs visit no page."""
-    positions = jnp.where(batch.slot_mapping < k_pool.shape[1], batch.positions, -1)
-    return paged_attention(q, k_pool, v_pool, jnp.asarray(layer, jnp.int32), positions, batch.row_of_token,
-                           batch.block_tables, block_size=block_size, num_splits=NUM_SPLITS)
-
-
 # ---- attention with the step's rotary embedding and KV write inside ----------------------------------------
 #
 # The unfused layer runs five kernels between the q/k/v matmul and o: rotary on q, rotary on k with k's
@@ -413,20 +405,3 @@ def paged_attention_fused(qkv, k_pool, v_pool, layer, cos, sin, positions, slot_
     )(*ins)
     out = outs[0][:, :num_heads] if NS == 1 else _merge_splits(*outs, num_heads, qkv.dtype, interpret)
     return out.reshape(T, num_heads * hd), k_new.reshape(k_pool.shape), v_new.reshape(v_pool.shape)
-
-
-def fused_attention_fn(c, lp, qkv, k_pool, v_pool, layer, batch, block_size: int, num_splits: int | None = None):
-    """`Ops.attend_qkv` over the fused kernel: the layer's q/k/v projection qkv [T, Hkv*(G+2)*hd] (before bias,
-    norms and rotary) -> (out [T, Hq*hd], k_pool, v_pool with this step's k/v written)."""
-    from jaxspec.nn.ops import rope_cos_sin, rope_inv_freq
-    from jaxspec.pallas.gemv import _stacked
-    cos, sin = rope_cos_sin(batch.positions, rope_inv_freq(c))                                  # [T, hd/2]
-    # the layer's bias and q/k norms as whole stacks and its index in them (a sliced weight would be copied)
-    names = ("qkv_bias", "q_norm", "k_norm")
-    stacks = {name: _stacked(lp, name) for name in names if name in lp}
-    bias, q_norm, k_norm = (stacks.get(name, (None, 0))[0] for name in names)
-    weight_layer = next((index for _, index in stacks.values()), 0)      # one index: the layer's, in every stack
-    return paged_attention_fused(qkv, k_pool, v_pool, jnp.asarray(layer, jnp.int32), cos, sin, batch.positions,
-                                 batch.slot_mapping, batch.first_in_step, batch.row_of_token, batch.block_tables,
-                                 bias, q_norm, k_norm, jnp.asarray(weight_layer, jnp.int32), num_heads=c.num_heads,
-                                 block_size=block_size, eps=c.rms_norm_eps, num_splits=num_splits)

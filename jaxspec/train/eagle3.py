@@ -31,7 +31,7 @@ from jaxspec.models.config import ModelConfig
 from jaxspec.nn.decoder import Decoder
 from jaxspec.nn.eagle import EagleHead, eagle3_aux_layers
 from jaxspec.nn.layers import mlp, project_qkv
-from jaxspec.nn.ops import rms_norm
+from jaxspec.nn.ops import Ops, rms_norm
 from jaxspec.nn.schema import initialize
 from jaxspec.train.data import Examples
 
@@ -131,11 +131,13 @@ def _shift(x, n: int):
     return jnp.pad(x[:, n:], pad)
 
 
-def unrolled_logits(head: EagleHead, params, embed, ids, aux, num_steps: int, compute_dtype=jnp.float32) -> list:
+def unrolled_logits(head: EagleHead, params, embed, ids, aux, num_steps: int, compute_dtype=jnp.float32,
+                    ops: Ops = Ops()) -> list:
     """The head unrolled `num_steps` draft steps from every position at once -> [J] of draft-vocabulary logits
     [B, T, Vd] f32: step j's row a is chain a's draft j, which predicts token a+j+2. ids i32[B, T];
     aux [B, T, 3D] the target's residual streams. The matmuls run in `compute_dtype` (bf16 on a GPU: the
-    f32 params are cast here, so their gradients stay f32); norms, softmaxes and logits in f32."""
+    f32 params are cast here, so their gradients stay f32), each projection through `ops.linear` as at
+    inference; norms, softmaxes and logits in f32."""
     params = jax.tree_util.tree_map(lambda x: x.astype(compute_dtype), params)
     aux = aux.astype(compute_dtype)
     c = head.config
@@ -144,7 +146,7 @@ def unrolled_logits(head: EagleHead, params, embed, ids, aux, num_steps: int, co
     G, scale = Hq // Hkv, 1.0 / math.sqrt(hd)
     lp = {k: w[0] for k, w in params["layers"]["attention"].items()}
     causal = jnp.tril(jnp.ones((T, T), bool))
-    hidden = aux @ params["fc"].T                                                         # [B, T, D]
+    hidden = ops.linear(aux, params, "fc")                                                # [B, T, D]
     keys0 = values0 = None
     own_k, own_v, out_logits = [], [], []
     flat = lambda x: x.reshape(B * T, *x.shape[2:])                                      # noqa: E731
@@ -154,7 +156,7 @@ def unrolled_logits(head: EagleHead, params, embed, ids, aux, num_steps: int, co
         x = jnp.concatenate([rms_norm(emb, lp["attn_norm"], c.rms_norm_eps),
                              rms_norm(hidden, params["hidden_norm"], c.rms_norm_eps)], -1)   # [B, T, 2D]
         positions = jnp.tile(jnp.arange(T, dtype=jnp.int32) + j, B)                      # chain a at a+j
-        q, k, v = project_qkv(c, lp, flat(x), positions)                                  # [BT, Hq|Hkv, hd]
+        q, k, v = project_qkv(c, ops, lp, flat(x), positions)                             # [BT, Hq|Hkv, hd]
         q = q.reshape(B, T, Hkv, G, hd)
         k, v = k.reshape(B, T, Hkv, hd), v.reshape(B, T, Hkv, hd)
         if j == 0:          # the pairs of real features: every chain attends to those at positions <= a
@@ -169,10 +171,10 @@ def unrolled_logits(head: EagleHead, params, embed, ids, aux, num_steps: int, co
         out = jnp.einsum("btkgs,bskd->btkgd", p[..., :T], values0)
         for i, vi in enumerate(own_v):
             out = out + p[..., T + i, None] * vi[:, :, :, None, :]
-        attn = out.reshape(B * T, Hq * hd) @ lp["o_proj"].T
-        hidden = mlp(c, lp, flat(hidden) + attn).reshape(B, T, -1)                        # [B, T, D]
-        out_logits.append(jnp.einsum("btd,vd->btv", rms_norm(hidden, params["norm"], c.rms_norm_eps),
-                                     params["lm_head"]).astype(jnp.float32))
+        attn = ops.linear(out.reshape(B * T, Hq * hd), lp, "o_proj")
+        hidden = mlp(c, ops, lp, flat(hidden) + attn).reshape(B, T, -1)                   # [B, T, D]
+        logits = ops.linear(hidden, params, "lm_head", norm="norm", eps=c.rms_norm_eps)   # [B, T, Vd]
+        out_logits.append(logits.astype(jnp.float32))
     return out_logits
 
 

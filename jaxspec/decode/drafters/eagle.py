@@ -53,7 +53,7 @@ class EagleDrafter:
         S, b, tp = ctx.cache.num_kv_slots, ctx.batch, ctx.target_params
         kv = state["layers"]["attention"]
         T = b.token_ids.shape[0]
-        feature = head.features(params, ctx.hidden, ctx.aux_hidden).astype(state["feature"].dtype)   # [T, D]
+        feature = head.features(ops, params, ctx.hidden, ctx.aux_hidden).astype(state["feature"].dtype)   # [T, D]
 
         # (a) pair each token x_p with the feature at p-1, written at p-1. A request's first token in a new
         # slot after a cached prefix has no feature at p-1 here: its pair is not written (the cached block
@@ -85,7 +85,8 @@ class EagleDrafter:
             kv, feat, tok, pos, grammar_state = carry
             batch = one_token_batch(tok, pos, ctx.sample_rows, b.block_tables, ops.block_size, S, ctx.slot)
             hidden, kv = head.forward(ops, params, tp, kv, tok, feat, batch)                    # [R, D]
-            draft, logprobs = pick_drafts(head.logits(params, tp, hidden), ctx, j, self.draft_sampling, grammar_state)
+            draft, logprobs = pick_drafts(head.logits(ops, params, tp, hidden), ctx, j, self.draft_sampling,
+                                          grammar_state)
             return ((kv, hidden.astype(feat.dtype), draft, pos + 1, grammar_next(ctx, grammar_state, draft)),
                     (draft, logprobs))
 
