@@ -208,8 +208,8 @@ def test_vllm_baseline_runs_the_same_workload_in_its_own_process(tmp_path, monke
 
     # A JSON schema on every request (the tiny model with SmolLM2's tokenizer; the fake vLLM answers every
     # constrained request with EXAMPLE's tokens and EOS)
-    from jaxspec.bench import _tokenizer_for
-    example = _tokenizer_for(str(json_model_dir)).encode(json.dumps(EXAMPLE)) + [2]
+    from jaxspec.bench.workloads import tokenizer_for
+    example = tokenizer_for(str(json_model_dir)).encode(json.dumps(EXAMPLE)) + [2]
     monkeypatch.setenv("FAKE_VLLM_OUTPUT", json.dumps(example))
     log.unlink()
     with open(PERSON) as f:

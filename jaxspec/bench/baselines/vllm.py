@@ -12,7 +12,7 @@ a tokenizer (it builds its grammar from one, so `skip_tokenizer_init` is off and
 not ignored (after a complete output vLLM stops masking: ignored, it would generate unconstrained tokens), and
 the warm-up runs constrained too, so that vLLM compiles the grammar before the timed run.
 
-    python -m jaxspec.vllm_baseline REQUEST.json RESULT.json     # what the bench runs
+    python -m jaxspec.bench.baselines.vllm REQUEST.json RESULT.json     # what the bench runs
 """
 from __future__ import annotations
 
@@ -65,11 +65,62 @@ def run_vllm_baseline(request: dict, python: str = sys.executable, timeout: floa
         with open(req, "w") as f:
             json.dump(request, f)
         env = dict(os.environ, VLLM_USE_FLASHINFER_SAMPLER=os.environ.get("VLLM_USE_FLASHINFER_SAMPLER", "0"))
-        proc = subprocess.run([python, "-m", "jaxspec.vllm_baseline", req, res], env=env, timeout=timeout)
+        proc = subprocess.run([python, "-m", "jaxspec.bench.baselines.vllm", req, res], env=env, timeout=timeout)
         if proc.returncode != 0 or not os.path.exists(res):
             raise RuntimeError(f"the vLLM baseline failed (exit code {proc.returncode}); its output is above")
         with open(res) as f:
             return json.load(f)
+
+
+def constraint_fields(described: dict | None) -> dict | None:
+    """The fields of vLLM's StructuredOutputsParams for the constraint the report describes."""
+    if described is None:
+        return None
+    kind = described["kind"]
+    return {kind: described[kind], **{k: described[k] for k in ("disable_any_whitespace",) if k in described}}
+
+
+def side_by_side(args, model, workload, ours: dict) -> dict:
+    """The workload through vLLM (in a process of its own), printed next to jaxspec's last configuration `ours`."""
+    from jaxspec.bench.outputs import output_digest, output_summary
+    from jaxspec.models.presets import PRESETS, preset_path
+
+    def path(spec):
+        return str(preset_path(spec)) if spec in PRESETS else spec
+    prompts = [p if isinstance(p, list) else model.tokenizer.encode(p, add_special_tokens=True)
+               for p in workload.prompts]
+    structured = args.structured_report
+    with tempfile.TemporaryDirectory(prefix="jaxspec-vllm-tokenizer-") as tmp:
+        tokenizer = args.vllm_tokenizer
+        if structured is not None and tokenizer is None:   # vLLM builds its grammar from a tokenizer
+            model.tokenizer.hf.save_pretrained(tmp)
+            tokenizer = tmp
+        request = build_request(args, prompts, list(workload.output_lens), args.vllm_model or path(args.model),
+                                path(args.draft_model) if args.draft_model else None,
+                                structured=constraint_fields(structured),
+                                tokenizer=tokenizer)
+        res = run_vllm_baseline(request, python=args.vllm_python)
+    token_ids = res.pop("token_ids")
+    res["output_digest"] = output_digest(token_ids)
+    eos = set(model.tokenizer.eos_token_ids) if model.tokenizer is not None else set()
+    texts = None
+    if structured is not None:
+        texts = [model.tokenizer.decode(ids[:-1] if ids and ids[-1] in eos else ids) for ids in token_ids]
+    res.update(output_summary(args, [len(ids) for ids in token_ids], texts, res.pop("finish_reasons", None)))
+    if structured is not None:
+        res["label"] += "+" + structured["kind"]
+    acc = (f", acceptance length {res['spec']['mean_acceptance_length']:.2f} (jaxspec "
+           f"{ours['spec']['mean_acceptance_length']:.2f})" if "spec" in res and "spec" in ours else "")
+    print(f"{res['label']:<28}{res['output_throughput']:>10.2f} tok/s, mean TPOT {res['tpot_ms']['mean']:.2f} ms{acc}; "
+          f"jaxspec {ours['label']}: {ours['output_throughput']:.2f} tok/s = "
+          f"{ours['output_throughput'] / res['output_throughput']:.2f}x vLLM; same tokens: "
+          f"{res['output_digest'] == ours.get('output_digest')}")
+    if structured is not None:
+        mine = ours["structured_outputs"].get("valid_outputs")
+        print(f"{res['label']}: {res['structured_outputs']['valid_outputs']}/{res['requests']} outputs match the "
+              f"constraint, {res['output_len']['mean']:.1f} tokens each on average (jaxspec {mine}/{ours['requests']}, "
+              f"{ours['output_len']['mean']:.1f})")
+    return res
 
 
 def _metric_values(metrics) -> dict:

@@ -13,6 +13,7 @@ import time
 
 import numpy as np
 
+from jaxspec.bench.outputs import output_digest, output_summary
 from jaxspec.sched.output import AsyncSink
 
 
@@ -126,7 +127,7 @@ async def _drive(backend, sessions, params_for, request_rate: float, max_concurr
 
 def run_online(backend, sessions: list[list[tuple]], args, label: str) -> dict:
     """Runs the sessions ([(prompt, output_len) per turn]) through the backend; the same report fields as
-    an offline run (bench.run_config)."""
+    an offline run (jaxspec.bench.measure.run_config)."""
     from tqdm.auto import tqdm
 
     from jaxspec import SamplingParams
@@ -162,7 +163,6 @@ def run_online(backend, sessions: list[list[tuple]], args, label: str) -> dict:
             "output_throughput": n_out / duration, "total_throughput": (n_in + n_out) / duration,
             "request_rate": args.request_rate, "max_concurrency": args.max_concurrency,
             "ttft_ms": stats(ttft), "tpot_ms": stats(tpot), "itl_ms": stats(itl)}
-    from jaxspec.bench import output_digest, output_summary
     res.update(output_summary(args, [s.output_tokens for s in sent], [s.text for s in sent],
                               [s.finish_reason for s in sent]))
     res["output_lens"] = [s.output_tokens for s in sent]     # per request, in session order
