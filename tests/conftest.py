@@ -38,6 +38,7 @@ TINY_MODELS = {
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: loads a real 0.5B+ model (kept in CI, seconds to a minute)")
+    config.addinivalue_line("markers", "gpu: needs a GPU (tests/gpu); skipped on any other backend")
 
 
 def randomize_(model, seed: int):
