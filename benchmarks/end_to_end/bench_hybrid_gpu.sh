@@ -3,12 +3,12 @@
 # TPOT and tok/s at batch 1 / 8 / 32, plain and MTP k=1..3 (random MTP weights accept ~nothing: this is the
 # step-time cost of speculation), the chunked-prefill throughput, and vLLM 0.23 (load_format="dummy") side by side.
 #
-#   bash benchmarks/end_to_end/bench_hybrid_gpu.sh jax     # jaxspec plain and MTP k=1..3 at b1/b8/b32 (~10 min on an H100: each
-#                                            #   method's engine compiles the steps it uses, ~19 s each), then the
-#                                            #   2048-token prefill run (~6 min: 18 steps compiled) and the kernels
-#   bash benchmarks/end_to_end/bench_hybrid_gpu.sh vllm    # vLLM plain b1/b8/b32 on the same prompts (~2.5 min per batch size)
-#   bash benchmarks/end_to_end/bench_hybrid_gpu.sh vllm-mtp  # vLLM MTP k=1..3 at b32 and b1
-#   bash benchmarks/end_to_end/bench_hybrid_gpu.sh cpu     # the jaxspec commands on a scaled-down copy of the config, on CPU
+#   bash benchmarks/end_to_end/bench_hybrid_gpu.sh jax
+#       jaxspec plain and MTP k=1..3 at b1/b8/b32 (~10 min on an H100: each method's engine compiles the steps it
+#       uses, ~19 s each), then the 2048-token prefill run (~6 min: 18 steps compiled) and the kernels
+#   bash benchmarks/end_to_end/bench_hybrid_gpu.sh vllm        # vLLM plain b1/b8/b32 on the same prompts (~2.5 min each)
+#   bash benchmarks/end_to_end/bench_hybrid_gpu.sh vllm-mtp    # vLLM MTP k=1..3 at b32 and b1
+#   bash benchmarks/end_to_end/bench_hybrid_gpu.sh cpu         # the jaxspec commands on a scaled-down config, on CPU
 #
 # Run from the repository root. Every JSON goes to $OUT_DIR (/tmp/out); WALL lines give each command's seconds.
 # GPU prerequisites: JAX with CUDA in the python3 on PATH (or /tmp/site), vLLM 0.23 installed at /tmp/vllm-site
