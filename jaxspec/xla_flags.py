@@ -3,15 +3,15 @@
 xla_gpu_command_buffer_update_mode is set to SKIP_PROFILED by default (JAXSPEC_COMMAND_BUFFER_UPDATE_MODE names
 another mode; "default" or an empty value leaves XLA's own). XLA captures the step as one CUDA graph and
 re-records it whenever a buffer it captured has moved. The step's inputs, outputs and state keep their addresses
-(jaxspec.decode.runner), but XLA's temporary buffer moves whenever something else was allocated between two steps
-(the next step's input transfer, the copy of the previous outputs), and the re-recording, issued behind the running
-step, holds the host until that step ends. In this mode XLA learns which allocations move over its first
-executions and gives them fixed virtual addresses (VMM remapping): no re-recording after that (the step's host call
-behind a running step 1.0 ms instead of 2.7 ms on an H100, docs/benchmarks.md). Outputs are bit-identical with and
-without it (greedy digests, H100 and H200). On an H100 the loop was bound by the device and ran no faster; on an
-H200 (a 1.4-1.6 ms device step, Qwen2.5-Coder-1.5B, its tokenizer rendering text every step) batch 1 ran at TPOT
-1.44-1.55 ms with it (three runs) against 1.66-1.72 ms without (two), and batch 8 and 32 within the runs' spread
-either way (docs/benchmarks.md).
+(jaxspec.decode.runner), but XLA's temporary buffer moves whenever something else was allocated between two steps (the
+next step's input transfer, the copy of the previous outputs), and the re-recording, issued behind the running step,
+holds the host until that step ends. In this mode XLA learns which allocations move over its first executions and gives
+them fixed virtual addresses (VMM remapping): no re-recording after that (the step's host call behind a running step 1.0
+ms instead of 2.7 ms on an H100, docs/lab/2026-11-25-graph-rerecording.md). Outputs are bit-identical with and without
+it (greedy digests, H100 and H200). On an H100 the loop was bound by the device and ran no faster; on an H200 (a 1.4-1.6
+ms device step, Qwen2.5-Coder-1.5B, its tokenizer rendering text every step) batch 1 ran at TPOT 1.44-1.55 ms with it
+(three runs) against 1.66-1.72 ms without (two), and batch 8 and 32 within the runs' spread either way
+(docs/lab/2026-11-26-h200-side-by-side.md).
 
 Set only where a CUDA plugin is installed, XLA_FLAGS does not already name the option, and jaxlib and the CUDA
 plugin (each parses XLA_FLAGS) both know the mode: its names changed between XLA versions, and XLA aborts on an

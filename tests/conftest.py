@@ -38,6 +38,23 @@ TINY_MODELS = {
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: loads a real 0.5B+ model (kept in CI, seconds to a minute)")
+    config.addinivalue_line("markers", "gpu: needs a GPU (tests/gpu); skipped on any other backend")
+
+
+def pytest_collection_modifyitems(config, items):
+    """tests/gpu: what only a GPU shows (Pallas kernels lowered through Triton, XLA's CUDA graphs, bf16 engines on the
+    device), each test marked `gpu` and skipped on any other backend. The CPU is the default above, so the GPU
+    machine names its platform and runs them in one process: JAX_PLATFORMS=cuda python -m pytest -q -n 0 tests/gpu"""
+    gpu_items = [item for item in items if item.get_closest_marker("gpu")]
+    if not gpu_items:
+        return
+    import jax
+    if jax.default_backend() == "gpu":
+        return
+    skip = pytest.mark.skip(reason=f"needs a GPU (JAX backend: {jax.default_backend()}); on the GPU machine: "
+                                   "JAX_PLATFORMS=cuda python -m pytest -q -n 0 tests/gpu")
+    for item in gpu_items:
+        item.add_marker(skip)
 
 
 def randomize_(model, seed: int):

@@ -8,7 +8,7 @@ import pytest
 from jaxspec.bench import main
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PERSON = os.path.join(REPO, "scripts", "schemas", "person.json")   # the default schema of the GPU runs
+PERSON = os.path.join(REPO, "benchmarks", "schemas", "person.json")   # the default schema of the GPU runs
 # A person the schema allows (what the fake vLLM answers, in SmolLM2 tokens)
 EXAMPLE = {"name": "Ada Lovelace", "country": "GB", "role": "analyst", "level": 5, "active": False,
            "skills": ["math", "poetry"]}
@@ -208,8 +208,8 @@ def test_vllm_baseline_runs_the_same_workload_in_its_own_process(tmp_path, monke
 
     # A JSON schema on every request (the tiny model with SmolLM2's tokenizer; the fake vLLM answers every
     # constrained request with EXAMPLE's tokens and EOS)
-    from jaxspec.bench import _tokenizer_for
-    example = _tokenizer_for(str(json_model_dir)).encode(json.dumps(EXAMPLE)) + [2]
+    from jaxspec.bench.workloads import tokenizer_for
+    example = tokenizer_for(str(json_model_dir)).encode(json.dumps(EXAMPLE)) + [2]
     monkeypatch.setenv("FAKE_VLLM_OUTPUT", json.dumps(example))
     log.unlink()
     with open(PERSON) as f:
@@ -244,7 +244,7 @@ def test_vllm_baseline_runs_the_same_workload_in_its_own_process(tmp_path, monke
 
 
 def test_person_schema_is_a_bounded_json_schema():
-    """scripts/schemas/person.json: a valid JSON schema that outlines-core compiles (the one engine-side
+    """benchmarks/schemas/person.json: a valid JSON schema that outlines-core compiles (the one engine-side
     compiler) into a regex with no unbounded repetition (every output has a bounded length, whatever the model:
     a random model ends too), and an example instance validates."""
     import re

@@ -2,7 +2,7 @@
 target itself, train a head that the engine then runs: it is accepted far more than an untrained one, stays
 lossless, reloads the same from its HF layout and its orbax checkpoint, and a resumed run continues the loss
 curve. The target is a small random model with SmolLM2's tokenizer and vocabulary: SmolLM2-135M itself costs
-~1 s per training step and ~3 s per target pass of 4 x 128 tokens on this CPU (docs/benchmarks.md), too slow for
+~1 s per training step and ~3 s per target pass of 4 x 128 tokens on this CPU, too slow for
 the suite's budget."""
 import json
 

@@ -1,11 +1,11 @@
-"""jaxspec/vllm_baseline.py on a hybrid target with MTP (issue #15's side-by-side): the request the child gets and
+"""jaxspec/bench/baselines/vllm.py on a hybrid target with MTP (issue #15's side-by-side): the request the child gets and
 the vLLM engine arguments it builds, against a fake `vllm` module (no GPU, no vLLM needed)."""
 import json
 import sys
 import types
 from argparse import Namespace
 
-from jaxspec import vllm_baseline
+from jaxspec.bench.baselines import vllm as vllm_baseline
 
 
 def _args(**kw):

@@ -6,12 +6,12 @@ steps and reads their outputs; it never touches device arrays other than the out
 Hooks for benchmarks and profiles: `bucket_for`, `last_inputs` and `replay` (run a live step's inputs again),
 `issue_seconds` (host time to issue each step), `argument_buffers` (buffers each step call passes).
 
-Every buffer a step takes or returns keeps one address from step to step: the inputs are copied into a per-bucket
-inbox and the outputs written into a per-variant outbox, both donated like the state. XLA captures the step as a
-CUDA graph and re-records it whenever an address it captured changes, and on the GPU the re-recording, issued
-behind the running step, holds the host 1-2 ms (docs/benchmarks.md). `_load_inputs` (host buffer -> inbox) and
-`_copy_outputs` (outbox -> fresh arrays the host reads while the next step overwrites the outbox) move the data
-instead. XLA's own temporary buffer can still move between steps; jaxspec.xla_flags's update mode covers it.
+Every buffer a step takes or returns keeps one address from step to step: the inputs are copied into a per-bucket inbox
+and the outputs written into a per-variant outbox, both donated like the state. XLA captures the step as a CUDA graph
+and re-records it whenever an address it captured changes, and on the GPU the re-recording, issued behind the running
+step, holds the host 1-2 ms (docs/lab/2026-11-24-step-call-blocking.md). `_load_inputs` (host buffer -> inbox) and
+`_copy_outputs` (outbox -> fresh arrays the host reads while the next step overwrites the outbox) move the data instead.
+XLA's own temporary buffer can still move between steps; jaxspec.xla_flags's update mode covers it.
 """
 from __future__ import annotations
 

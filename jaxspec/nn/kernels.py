@@ -102,7 +102,7 @@ def delta_rule_fn(ring, i, batch, q, k, v, beta, g, *, chunked: bool = True, **o
     verify rows (n <= W) go to the recurrent kernel alone; a step of at most W tokens cannot hold a longer
     row, and has no chunked kernels at all (compiled out: T and W are shapes), while in larger steps rows
     without chunked tokens leave their programs at once: on the H100, steps of 8 or 32 decode or verify rows
-    took 4-9 us more per layer than the recurrent kernel alone (the two launches), docs/benchmarks.md."""
+    took 4-9 us more per layer than the recurrent kernel alone (the two launches), docs/lab/2026-11-24-delta-rule-chunked.md."""
     T, R, W = q.shape[0], batch.block_tables.shape[0], ring.shape[2]
     written = jnp.ones((T,), bool) if batch.writes_state is None else batch.writes_state
     count = jax.ops.segment_sum(written.astype(jnp.int32), batch.row_of_token, num_segments=R)

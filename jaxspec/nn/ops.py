@@ -137,7 +137,7 @@ def gemv_matmuls(spec: str) -> frozenset:
 def use_compile_cache(path, min_compile_seconds: float = 1.0) -> bool:
     """Keep compiled steps on disk (JAX's persistent compilation cache), so that the next process that builds
     an engine of the same shapes loads its steps instead of compiling them (a GPU step compiles in 4-40 s,
-    docs/benchmarks.md). Steps are keyed by their HLO, shapes and compile options, not by weight values. Left
+    docs/lab/2026-11-23-compile-time-gemm-backend.md). Steps are keyed by their HLO, shapes and compile options, not by weight values. Left
     alone when the user configured a cache directory; JAXSPEC_COMPILE_CACHE=0 turns it off."""
     if os.environ.get("JAXSPEC_COMPILE_CACHE", "1") == "0" or jax.config.jax_compilation_cache_dir:
         return False
@@ -158,7 +158,7 @@ class Ops:
     head, for decode and verify rows and a prefill row's last k+1 tokens; chunked kernels for the tokens before
     those), "auto" in `for_backend`: the kernels on a GPU (H100, Qwen3-Next's shapes: the recurrent one 1.1-6x
     faster than the scan for decode and verify rows; with the chunked ones a 512-token prefill chunk 4x faster
-    than the recurrent kernel alone, docs/benchmarks.md), the scan on a CPU.
+    than the recurrent kernel alone, docs/lab/2026-11-24-delta-rule-chunked.md), the scan on a CPU.
     """
     attention: str = "reference"
     block_size: int = 16
@@ -173,7 +173,7 @@ class Ops:
     # kernels, the norm, SwiGLU or residual add next to each inside it (`linear`; one device: a split model keeps
     # XLA's sharded matmuls, `use_gemv`). On a GPU down alone by default (JAXSPEC_GEMV): on an H100 it is the one
     # the kernel wins (the 1.5B's step 4% faster); XLA's GEMMs are faster on q/k/v, o and gate/up, and the whole
-    # set is 12% slower (docs/benchmarks.md).
+    # set is 12% slower (docs/lab/2026-11-24-gemv-kernels.md).
     gemv: frozenset = frozenset()
     # The Pallas attention with the q/k rotary embedding and the KV write inside (`fuses_kv_write`): one kernel
     # instead of five per layer. JAXSPEC_FUSED_ATTENTION=0 keeps them apart (for measuring).
@@ -227,7 +227,7 @@ class Ops:
     @staticmethod
     def for_backend(block_size: int, attention: str = "auto", unroll: bool | None = None, tp=None,
                     delta_rule: str = "auto") -> "Ops":
-        """The measured choices for this device (docs/benchmarks.md): on a GPU the Pallas kernel and unrolled
+        """The measured choices for this device (docs/lab/2026-11-22-first-round-step.md): on a GPU the Pallas kernel and unrolled
         layers, on a CPU the reference attention and scanned layers (fast compiles)."""
         gpu = jax.default_backend() == "gpu"
         if attention == "auto":
@@ -246,7 +246,7 @@ class Ops:
 
     def compiler_options(self, num_tokens: int) -> dict:
         """XLA options for the compile of a step of `num_tokens` tokens. Measured on an H100 (Qwen2.5-1.5B,
-        docs/benchmarks.md): autotuned Triton GEMMs run the small matmuls of decode steps faster (2.24 vs 2.75
+        docs/lab/2026-11-23-compile-time-gemm-backend.md): autotuned Triton GEMMs run the small matmuls of decode steps faster (2.24 vs 2.75
         ms at 8 tokens) but cost ~40 s of autotuning per bucket; cuBLAS is faster from 128 tokens (3.25 vs 3.88
         ms at 256) and compiles in ~4 s. The autotuning results are kept on disk: the next process that
         compiles the same bucket takes ~6 s."""

@@ -87,7 +87,7 @@ def delta_rule_recurrent(q, k, v, beta, g, ring, layer, first, count, slot, star
 
 # ---- prefill: the chunkwise-parallel (WY) form ---------------------------------------------------------------
 
-# Measured on the H100 at Qwen3-Next's shapes (docs/benchmarks.md), chunk {32, 64} x block_v {32, 64} x warps
+# Measured on the H100 at Qwen3-Next's shapes (docs/lab/2026-11-24-delta-rule-chunked.md), chunk {32, 64} x block_v {32, 64} x warps
 # {4, 8}: 64 and 32 (4 warps) were the fastest at 512 and 2048 tokens.
 CHUNK = 64      # tokens per chunk (a power of two; >= 16 on the GPU: the matrix unit's smallest tile)
 BLOCK_V = 32    # value columns per state-pass program: S's columns evolve independently, so dv is split

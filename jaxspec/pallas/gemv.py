@@ -14,10 +14,10 @@ or 32 rows, the matrix unit's smallest tile, rows past T masked) and walks its K
 software-pipelined so several weight tiles are in flight. The norm is folded in as rstd * ((x * g) @ W.T): each
 program sums the row's squares in the same loop and scales its output at the end.
 
-Measured on an H100 (Qwen2.5-Coder-1.5B shapes, docs/benchmarks.md): on down (K = 8960) the kernel with K split 5
-ways reads the weight at 72-74% of the copy bandwidth against XLA's 60-68%, and the engine's step is 4% faster
-with it; on the small q/k/v and o matrices (K = 1536) and on gate/up it is slower than XLA's GEMMs, so the engine
-runs down alone through it by default (Ops.gemv, JAXSPEC_GEMV).
+Measured on an H100 (Qwen2.5-Coder-1.5B shapes, docs/lab/2026-11-24-gemv-kernels.md): on down (K = 8960) the
+kernel with K split 5 ways reads the weight at 72-74% of the copy bandwidth against XLA's 60-68%, and the engine's
+step is 4% faster with it; on the small q/k/v and o matrices (K = 1536) and on gate/up it is slower than XLA's
+GEMMs, so the engine runs down alone through it by default (Ops.gemv, JAXSPEC_GEMV).
 """
 from __future__ import annotations
 
@@ -155,8 +155,8 @@ def _largest_dividing(n: int, options) -> int | None:
 
 def tiling_for(N: int, K: int, *, norm: bool, pairs: bool) -> Tiling | None:
     """The tiling measured fastest on an H100 for each kind of layer matmul (Qwen2.5-Coder-1.5B shapes at 8 and
-    16 tokens, scripts/bench_gemv.py's sweep; docs/benchmarks.md), adapted to shapes it divides; None where no
-    block divides the shape (the caller uses XLA's GEMM)."""
+    16 tokens, benchmarks/kernels/bench_gemv.py's sweep; docs/lab/2026-11-24-gemv-kernels.md), adapted to shapes
+    it divides; None where no block divides the shape (the caller uses XLA's GEMM)."""
     if pairs:      # gate/up with the norm and SwiGLU: 280 programs of 32 pairs
         bn, bk, S, warps, stages = 32, _largest_dividing(K, (128, 64, 32, 16)), 1, 2, 3
     elif norm:     # q/k/v with the norm: 128 programs of 16 rows, long K steps

@@ -23,10 +23,11 @@ from jax.experimental.pallas import triton as plgpu
 
 _MIN_ROWS = 16  # the matrix unit's smallest tile
 PAGES_PER_ITER = 4  # pages each loop iteration loads at once (4 x 16 keys)
-# Context splits this (unfused) kernel uses. Measured on an H100 from replayed steps (docs/benchmarks.md), per
-# layer: 1 vs 8 splits 2.6 vs 4.0 us at 200-token contexts, 3.5 vs 2.4 us at 1000, 6.6 vs 2.8 us at 2500, so one
-# split. Traced in a live decode the fused kernel with one split took 9-14 us per layer at 64-200 tokens, which
-# the replays did not show; the fused kernel splits decode steps (`fused_splits`), this one is left as measured.
+# Context splits this (unfused) kernel uses. Measured on an H100 from replayed steps
+# (docs/lab/2026-11-22-second-round.md), per layer: 1 vs 8 splits 2.6 vs 4.0 us at 200-token contexts, 3.5 vs 2.4 us at
+# 1000, 6.6 vs 2.8 us at 2500, so one split. Traced in a live decode the fused kernel with one split took 9-14 us per
+# layer at 64-200 tokens, which the replays did not show; the fused kernel splits decode steps (`fused_splits`), this
+# one is left as measured.
 NUM_SPLITS = 1
 
 

@@ -19,7 +19,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True        # off by itself for models with per-slot (recurrent) layer state
     warmup: bool = True
     seed: int = 0
-    # Device-specific choices, measured on an H100 (docs/benchmarks.md); "auto" picks the GPU ones there.
+    # Device-specific choices, measured on an H100 (docs/lab/2026-11-22-first-round-step.md); "auto" picks the GPU ones there.
     attention: str = "auto"           # "pallas" (reads KV pages in place) or "reference" (jnp gather)
     unroll_layers: bool | None = None  # layers unrolled (stacked weights indexed statically) or scanned
     delta_rule: str = "auto"     # Gated DeltaNet recurrence: "reference" (JAX scan), "pallas" (kernel), "auto" (GPU: kernel)

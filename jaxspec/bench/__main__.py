@@ -1,0 +1,6 @@
+"""`python -m jaxspec.bench ...`: the `jaxspec-bench` command."""
+import sys
+
+from jaxspec.bench.cli import main
+
+sys.exit(main())

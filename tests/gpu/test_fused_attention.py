@@ -1,0 +1,46 @@
+"""The fused attention kernel (rotary, q/k norms, bias and the KV write inside) against the separate rotary, KV
+write and attention kernels on the GPU, on the ragged step of tests/test_paged_attention.py (a prefill chunk after
+a cached prefix, a verify segment, decode tokens, padding), with the engine's 16-token pages and a real head width
+(the GPU's dots want tiles of at least 16 keys).
+
+Measured on an H100 (docs/lab/2026-11-25-update-mode-and-fused-attention.md): in bf16 the written pools are
+bit-identical and the output differs by at most one bf16 step, 0.0078 (the two dots of hd/2 sum in another order than one
+of hd); in float32 by 0.00024 (the GPU's float32 dots are TF32)."""
+import itertools
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_paged_attention import _fused_case
+
+from jaxspec.nn.kernels import LayerWeights, fused_attention_fn, paged_attention_fn
+from jaxspec.nn.layers import split_qkv, write_kv
+from jaxspec.nn.ops import rope_cos_sin, rope_inv_freq
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("dtype,bias_norm,splits", list(itertools.product(
+    (jnp.bfloat16, jnp.float32), ((True, False), (False, True)), (None, 1))),
+    ids=lambda v: getattr(v, "__name__", str(v)))
+def test_fused_attention_matches_separate_kernels(dtype, bias_norm, splits):
+    bias, norm = bias_norm
+    cfg, stacks, qkv, k_pool, v_pool, batch, bs = _fused_case(bias, norm, block_size=16, head_dim=128)
+    stacks = {k: v.astype(dtype) for k, v in stacks.items()}
+    qkv, k_pool, v_pool = qkv.astype(dtype), k_pool.astype(dtype), v_pool.astype(dtype)
+    lp = LayerWeights(stacks, 1)
+    q, k, v = split_qkv(cfg, lp, qkv, batch.positions)
+    kv = write_kv({"k": k_pool, "v": v_pool}, 1, batch, k, v)
+    want = np.asarray(paged_attention_fn(q, kv["k"], kv["v"], 1, batch, bs), np.float32)
+    cos, sin = rope_cos_sin(batch.positions, rope_inv_freq(cfg))
+    out, k_new, v_new = fused_attention_fn(cfg, lp, qkv, cos, sin, k_pool, v_pool, 1, batch, bs, splits)
+    out = np.asarray(out, np.float32)
+    k_new, k_want = np.asarray(k_new, np.float32), np.asarray(kv["k"], np.float32)
+    if dtype == jnp.bfloat16:   # rotated keys rounded to bf16 alike
+        np.testing.assert_array_equal(k_new, k_want)
+    else:
+        np.testing.assert_allclose(k_new, k_want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(v_new, np.float32), np.asarray(kv["v"], np.float32))
+    # measured: bf16 0.0078 (one bf16 step of a value in [1, 2); outputs reach ~4), float32 0.00024
+    diff = np.abs(out - want).max()
+    assert diff <= (2 ** -6 if dtype == jnp.bfloat16 else 1e-3), diff
