@@ -25,7 +25,7 @@ import numpy as np
 from jaxspec.decode.inputs import (MAX_STOP_IDS, REQUEST_FLOAT_ROWS, REQUEST_INT_ROWS, STEP_INT_ROWS,
                                    request_values)
 from jaxspec.decode.runner import ModelRunner
-from jaxspec.decode.state import StepConfig
+from jaxspec.decode.state import LOGPROBS_MODES, StepConfig
 from jaxspec.decode.step import StepVariant
 from jaxspec.nn.ops import Ops
 from jaxspec.nn.sharding import TensorParallel
@@ -67,6 +67,7 @@ class EngineConfig:
     delta_rule: str = "auto"     # Gated DeltaNet recurrence: "reference" (JAX scan), "pallas" (kernel), "auto" (GPU: kernel)
     tensor_parallel_size: int = 1     # devices the model is split over (nn/sharding.py)
     structured_compile_timeout: float = 30.0   # seconds one request's structured-outputs constraint may compile
+    logprobs_mode: str = "raw_logprobs"   # what `logprobs` returns: "raw_logprobs" or "processed_logprobs" (vLLM's)
 
     def validate(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
@@ -85,6 +86,11 @@ class EngineConfig:
             raise ValueError(f"attention={self.attention!r} is invalid; choose 'auto', 'pallas' or 'reference'")
         if self.delta_rule not in ("auto", "pallas", "reference"):
             raise ValueError(f"delta_rule={self.delta_rule!r} is invalid; choose 'auto', 'pallas' or 'reference'")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            logits = " (vLLM's logits modes are not supported)" if self.logprobs_mode in ("raw_logits",
+                                                                                         "processed_logits") else ""
+            raise ValueError(f"logprobs_mode={self.logprobs_mode!r} is invalid{logits}; choose "
+                             f"{' or '.join(map(repr, LOGPROBS_MODES))}")
 
 
 @dataclasses.dataclass
@@ -121,7 +127,8 @@ class Engine:
         num_blocks = config.num_kv_blocks or self._default_num_blocks(config, mc, max_blocks, dtype, tp)
         self.step_config = StepConfig(block_size=config.block_size, num_blocks=num_blocks,
                                       num_slots=config.max_num_seqs, max_model_len=max_model_len,
-                                      num_speculative_tokens=spec.num_speculative_tokens if spec else 0)
+                                      num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
+                                      logprobs_mode=config.logprobs_mode)
         ops = Ops.for_backend(config.block_size, config.attention, config.unroll_layers, tp, config.delta_rule)
         self.runner = ModelRunner(model, self.step_config, ops, drafter, drafter_params,
                                   max_rows=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens)
