@@ -87,9 +87,9 @@ class EngineConfig:
         if self.delta_rule not in ("auto", "pallas", "reference"):
             raise ValueError(f"delta_rule={self.delta_rule!r} is invalid; choose 'auto', 'pallas' or 'reference'")
         if self.logprobs_mode not in LOGPROBS_MODES:
-            logits = " (vLLM's logits modes are not supported)" if self.logprobs_mode in ("raw_logits",
-                                                                                         "processed_logits") else ""
-            raise ValueError(f"logprobs_mode={self.logprobs_mode!r} is invalid{logits}; choose "
+            logits_mode = self.logprobs_mode in ("raw_logits", "processed_logits")
+            raise ValueError(f"logprobs_mode={self.logprobs_mode!r} is invalid"
+                             f"{' (vLLM logits modes are not supported)' if logits_mode else ''}; choose "
                              f"{' or '.join(map(repr, LOGPROBS_MODES))}")
 
 
