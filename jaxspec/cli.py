@@ -36,6 +36,9 @@ def add_engine_args(p: argparse.ArgumentParser):
     p.add_argument("--structured-compile-timeout", type=float, default=30.0,
                    help="seconds one request's structured-outputs constraint (JSON schema, regex, choice) may take "
                         "to compile before the request is refused")
+    p.add_argument("--logprobs-mode", default="raw_logprobs", choices=["raw_logprobs", "processed_logprobs"],
+                   help="what logprobs return: the model's log-softmax (raw) or the distribution sampled from "
+                        "(processed: after penalties, temperature, top-k/top-p/min-p)")
 
 
 def engine_kwargs(args) -> dict:
@@ -45,7 +48,7 @@ def engine_kwargs(args) -> dict:
                 async_scheduling=args.async_scheduling, enable_prefix_caching=args.enable_prefix_caching,
                 speculative_config=args.speculative_config, seed=args.seed,
                 tensor_parallel_size=args.tensor_parallel_size,
-                structured_compile_timeout=args.structured_compile_timeout)
+                structured_compile_timeout=args.structured_compile_timeout, logprobs_mode=args.logprobs_mode)
 
 
 def serve(argv: list[str]):

@@ -172,6 +172,10 @@ class EagleReference:
         `allowed(drafts so far) -> sorted token ids, or None` restricts each draft to those tokens (structured
         outputs); where none of them has a finite logit (an EAGLE-3 draft vocabulary may miss them all) the
         draft is the unrestricted argmax."""
+        return self.greedy_drafts_and_logits(ids, k, length, allowed)[0]
+
+    def greedy_drafts_and_logits(self, ids, k: int, length: int = 64, allowed=None):
+        """(greedy_drafts, the head's logits [k, V] where it proposed each of them)."""
         if not hasattr(self, "_hidden_jit"):
             self._hidden_jit = jax.jit(self.hidden)
             self._features_jit = jax.jit(self.features)
@@ -181,7 +185,7 @@ class EagleReference:
         padded[:n] = ids
         feats = np.array(self._features_jit(jnp.asarray(padded)))[:-1]            # pair p: feature p
         toks = padded[1:].copy()                                                  # ... with token p+1
-        drafts = []
+        drafts, all_logits = [], []
         for j in range(k):
             h = np.asarray(self._hidden_jit(jnp.asarray(feats), jnp.asarray(toks)))[n - 2 + j]
             logits = np.asarray(self.logits(jnp.asarray(h)[None])[0])
@@ -191,8 +195,9 @@ class EagleReference:
             else:
                 d = int(np.argmax(logits))
             drafts.append(d)
+            all_logits.append(logits)
             feats[n - 1 + j], toks[n - 1 + j] = h, d
-        return drafts
+        return drafts, np.stack(all_logits)
 
 
 class Greedy:
@@ -204,12 +209,16 @@ class Greedy:
         self.length = length
         self._logits = jax.jit(lambda ids: target_forward(t, cfg, ids)[0])
 
+    def logits(self, ids) -> np.ndarray:
+        """The model's logits at every position of `ids` [len(ids), V] (float64 copies of float32 values)."""
+        padded = np.zeros(self.length, np.int32)
+        padded[:len(ids)] = ids
+        return np.asarray(self._logits(jnp.asarray(padded)), np.float64)[:len(ids)]
+
     def next_tokens(self, ids, count: int) -> list[int]:
         seq = list(ids)
         for _ in range(count):
-            padded = np.zeros(self.length, np.int32)
-            padded[:len(seq)] = seq
-            seq.append(int(np.argmax(np.asarray(self._logits(jnp.asarray(padded)))[len(seq) - 1])))
+            seq.append(int(np.argmax(self.logits(seq)[-1])))
         return seq[len(ids):]
 
 

@@ -29,7 +29,8 @@ from jaxspec.nn import Decoder, schema
 from jaxspec.nn.layers import CacheShape
 from jaxspec.nn.ops import ForwardBatch, Ops
 
-TOLERANCE = 1e-4   # max|diff| / max|ref| of the logits (measured: ~5e-6)
+# max|diff| / max|ref| of the logits; measured: <= 6.2e-6 (the ragged steps; prefill 3.1e-6, MTP head 4.5e-6)
+TOLERANCE = 5e-5
 
 DIMS = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
             head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,

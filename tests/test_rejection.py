@@ -1,4 +1,5 @@
 import functools
+import types
 
 import jax
 import jax.numpy as jnp
@@ -291,3 +292,90 @@ def test_argmax_drafts_emit_what_plain_sampling_draws_at_each_position():
         match = drafts[r] == plain[r, :K]
         assert n_acc[r] == (K if match.all() else int(np.argmin(match)))
     assert 0 < (n_acc == 0).mean() < 1 and (n_acc == K).any()
+
+
+# ---- drafts and verification draw from different keys ----------------------------------------------------------
+# The step derives every key from the request's seed and a position (decode/step.py): the verifier's key of a
+# position draws the Gumbel noise of the token emitted there and, folded by 1, the acceptance uniform; a draft sampled
+# for that position must draw from a key of its own.
+#
+# KEY_SAMPLES rows (random 64-bit seeds and positions) each draw 2 drafts from q with the step's draft keys and verify
+# them against p with its verification keys. Pearson's chi-square of the token emitted at position 0 against p[0]
+# (df = 3) rejects at p ~ 1e-4 above 21.1. Power: 0.01 of probability moved between p[0]'s two likeliest tokens (0.4
+# and 0.3) gives the statistic a noncentrality N * 0.01^2 * (1/0.4 + 1/0.3) = 76 at N = 2^17: mean 79, sd 18, above
+# 21.1 with probability 0.9995, so a bias of 1% total variation is seen (measured: 79 against the shifted p, 1.1
+# against p). Drafts drawn with the verifier's keys moved 0.03 of probability at position 0 (statistic 849).
+KEY_SAMPLES = 1 << 17
+KEY_P = np.array([[0.4, 0.3, 0.2, 0.1], [0.1, 0.2, 0.3, 0.4], [0.25, 0.25, 0.25, 0.25]])   # target, per position
+KEY_Q = np.array([[0.1, 0.2, 0.3, 0.4], [0.4, 0.3, 0.2, 0.1]])                              # draft, per position
+
+
+@jax.jit
+def drafted_and_verified(target_lp, draft_lp, seeds, seeds_hi, positions):
+    """Rows with these 64-bit seeds (two int32 words, as the step's inputs hold them), drafting at `positions`: k
+    drafts sampled from `draft_lp` [k, V] as a drafter samples them (sampling.sample with the step's draft keys),
+    verified against `target_lp` [k+1, V] with the step's verification keys (by the acceptance kernel's jnp
+    reference) -> (emitted [N, k+1], num_accepted [N], the keys: the drafts' [N, k, 2], the verifier's [N, k+1, 2],
+    the verifier's folded by 1 as rejection._position_uniforms folds them for the acceptance uniforms [N, k+1, 2])."""
+    from jaxspec.decode.sampling import sample
+    from jaxspec.decode.step import draft_keys, verify_keys
+    n, k = seeds.shape[0], draft_lp.shape[0]
+    inp = types.SimpleNamespace(rows={"seed": seeds, "seed_hi": seeds_hi})
+    dkeys, vkeys, random_rows = draft_keys(inp, positions, k), verify_keys(inp, positions, k + 1), jnp.zeros((n,), bool)
+    drafts = jnp.stack([sample(jnp.broadcast_to(draft_lp[j], (n,) + draft_lp.shape[1:]), random_rows, dkeys[:, j])
+                        for j in range(k)], axis=1)
+    emitted, accepted = rejection_sample(jnp.broadcast_to(target_lp, (n,) + target_lp.shape), random_rows, drafts,
+                                         jnp.broadcast_to(draft_lp, (n,) + draft_lp.shape), jnp.full((n,), k), vkeys,
+                                         use_kernel=False)
+    ukeys = jax.vmap(jax.vmap(jax.random.fold_in, (0, None)), (0, None))(vkeys, 1)
+    return emitted, accepted, dkeys, vkeys, ukeys
+
+
+@pytest.fixture(scope="module")
+def drafted():
+    """drafted_and_verified of KEY_P and KEY_Q over KEY_SAMPLES rows, as numpy arrays by name."""
+    rng = np.random.default_rng(19)
+    seeds, seeds_hi = (jnp.asarray(rng.integers(0, 2**32, KEY_SAMPLES).astype(np.uint32).view(np.int32))
+                       for _ in range(2))
+    positions = jnp.asarray(rng.integers(0, 4000, KEY_SAMPLES), jnp.int32)
+    out = drafted_and_verified(jnp.asarray(log(KEY_P), jnp.float32), jnp.asarray(log(KEY_Q), jnp.float32), seeds,
+                               seeds_hi, positions)
+    return dict(zip(("emitted", "accepted", "draft_keys", "verify_keys", "uniform_keys"), map(np.asarray, out)))
+
+
+def as_ints(keys):
+    """Raw threefry keys [..., 2] (uint32 words) -> one uint64 per key."""
+    return np.ascontiguousarray(keys, np.uint32).view(np.uint64).ravel()
+
+
+def test_draft_keys_are_none_of_the_verifiers_keys(drafted):
+    """The keys a step hands its drafter for positions p..p+k-1 are none of the keys a step verifies any position of
+    any row with, nor those folded by 1 (the acceptance uniforms'); no two drafts share a key (random 64-bit seeds;
+    the first 4096 rows)."""
+    rows = slice(0, 4096)
+    draft = as_ints(drafted["draft_keys"][rows])
+    verifier = np.concatenate([as_ints(drafted["verify_keys"][rows]), as_ints(drafted["uniform_keys"][rows])])
+    assert np.unique(verifier).size == verifier.size
+    assert np.intersect1d(draft, verifier).size == 0
+    assert np.unique(draft).size == draft.size
+
+
+def chi2_statistic(tokens, p) -> float:
+    observed = np.bincount(tokens, minlength=len(p))
+    expected = len(tokens) * np.asarray(p)
+    return float(((observed - expected) ** 2 / expected).sum())
+
+
+def test_sampled_drafts_verified_with_the_steps_keys_keep_the_target_distribution(drafted):
+    """Drafts sampled with the step's draft keys and verified with its verification keys emit p at each position
+    (the token at position 0 over all rows, at position 1 over the rows that accepted draft 0); the same statistic
+    rejects p[0] with 0.01 moved between its two likeliest tokens (the power above), and drafts are accepted and
+    rejected at both positions."""
+    emitted, accepted = drafted["emitted"], drafted["accepted"]
+    critical = stats.chi2.isf(1e-4, KEY_P.shape[1] - 1)
+    reached = accepted >= 1
+    for position, rows in ((0, slice(None)), (1, reached)):
+        assert chi2_statistic(emitted[rows, position], KEY_P[position]) < critical, position
+    shifted = KEY_P[0] + np.array([-0.01, 0.01, 0, 0])
+    assert chi2_statistic(emitted[:, 0], shifted) > critical, "the test cannot see a 1% bias"
+    assert 0.1 < reached.mean() < 0.9 and 0 < (accepted == 2).sum() < reached.sum()

@@ -227,3 +227,18 @@ def test_a_schema_that_cannot_compile_is_a_400_and_the_server_keeps_serving(clie
         with pytest.raises(openai.BadRequestError, match=field):
             client.completions.create(model=MODEL, prompt="hi", max_tokens=4, extra_body={"structured_outputs": bad})
     assert client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2).choices[0].message.content
+
+
+def test_masked_processed_logprobs_are_written_as_json_numbers():
+    """Under --logprobs-mode processed_logprobs a top alternative the sampling masked (top_logprobs beyond top-k)
+    has logprob -inf, which JSON has no number for (the server's JSON responses refuse it): it is written as vLLM's
+    server writes it, -9999.0, in both APIs' logprobs."""
+    import json
+    import types
+    from jaxspec.serve.app import Server
+    server = types.SimpleNamespace(token_text=str)
+    entries = [{"token_id": 3, "logprob": -0.25, "top": [(3, -0.25), (5, float("-inf"))]}]
+    chat, completion = Server.chat_logprobs(server, entries), Server.completion_logprobs(server, entries, 0)
+    json.dumps([chat, completion], allow_nan=False)
+    assert [t["logprob"] for t in chat["content"][0]["top_logprobs"]] == [-0.25, -9999.0]
+    assert completion["top_logprobs"] == [{"3": -0.25, "5": -9999.0}] and completion["token_logprobs"] == [-0.25]

@@ -19,6 +19,7 @@ from conftest import random_model
 from eagle_heads import write_eagle1_head, write_eagle3_head
 from reference import greedy_spec_counts, target_forward
 from jaxspec import LLM, SamplingParams
+from jaxspec.decode.step import StepVariant
 from jaxspec.nn import CacheShape, Decoder, ForwardBatch, Ops, schema
 
 VOCAB = 128   # conftest.SPEC_VOCAB
@@ -85,6 +86,11 @@ def assert_partial_acceptance(spec: dict, positions: int):
     per_position = np.asarray(spec["per_position_acceptance"])
     assert (per_position[:positions] > 0).all(), f"no accepted drafts at some position: {per_position.tolist()}"
     assert 0 < spec["accepted_tokens"] < spec["draft_tokens"], spec
+
+
+def log_softmax(x):
+    x = x - x.max(axis=-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
 
 
 @pytest.mark.parametrize("k", [1, 3, 5])
@@ -265,6 +271,32 @@ def test_drafts_match_a_dense_reference(target, drafters, references, method):
     assert_partial_acceptance(llm.stats()["spec"], 2)
 
 
+def test_eagle1_draft_distributions_match_a_dense_reference(target, drafters, references):
+    """EAGLE-1's paged history (the pairs every step writes into the head's KV) as its drafts read it: with
+    sampled drafts the device keeps the distribution q of each draft, for a greedy request the log-softmax of the
+    head's logits. After every step it is the independent reference's, run densely over the sequence so far along
+    the same drafts (float32: measured <= 5.3e-6 nats). The drafts alone (the test above) miss what moves these
+    logits without changing their argmax: with the history's keys one position off, this fitted head's logits
+    moved by 0.2-0.3 nats and none of its drafts."""
+    k = 3
+    llm = make_llm(target, drafters, "eagle", k, draft_sampling="sample", async_scheduling=False)
+    engine = llm.engine
+    req = engine.add_request(prompt_of(9, 50), SamplingParams(temperature=0, max_tokens=20))
+    worst, checked = 0.0, 0
+    while not req.finished:
+        engine.step()
+        if req.output_token_ids and not req.finished:
+            seq = req.prompt_token_ids + req.output_token_ids
+            drafts, logits = references["heads"]["eagle"].greedy_drafts_and_logits(seq, k)
+            assert np.asarray(engine.runner.state.drafts)[req.slot].tolist() == drafts, f"after {len(seq)} tokens"
+            q = np.asarray(engine.runner.state.drafter["draft_logprobs"])[req.slot]             # [k, V]
+            worst = max(worst, float(np.abs(q - log_softmax(logits.astype(np.float64))).max()))
+            checked += 1
+    assert checked >= 3
+    assert worst <= 4e-5, worst
+    assert_partial_acceptance(llm.stats()["spec"], 2)
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_spec_counts_recomputed_on_host(target, drafters, references, method):
     """Greedy runs in the partial-acceptance regime: each request's drafted and accepted counts, and the
@@ -389,6 +421,21 @@ def test_sampled_speculation_keeps_the_target_distribution(target, drafters, dis
         assert dist_reference["plain"]() == samples
 
 
+def test_the_step_hands_its_drafter_the_draft_keys(target, drafters, monkeypatch):
+    """The keys a sampling drafter draws with are the step's draft keys (decode/step.py `draft_keys`, which
+    tests/test_rejection.py checks are none of the verifier's keys and keep the target's distribution), not
+    keys derived otherwise: the step traced (lowered, not compiled) with a spy on both."""
+    import jaxspec.decode.step as step_lib
+    llm = make_llm(target, drafters, "draft_model", 3, draft_sampling="sample")
+    drafter, made, received = llm.engine.runner.drafter, [], []
+    real_draft_keys, real_propose = step_lib.draft_keys, drafter.propose
+    monkeypatch.setattr(step_lib, "draft_keys", lambda *args: made.append(real_draft_keys(*args)) or made[-1])
+    monkeypatch.setattr(drafter, "propose", lambda params, state, ctx: received.append(ctx.keys) or
+                        real_propose(params, state, ctx))
+    llm.engine.runner.lower(ENGINE["max_num_batched_tokens"], StepVariant(sample=True))
+    assert len(made) == len(received) == 1 and received[0] is made[0]
+
+
 SEEDED_PROMPTS = [prompt_of(n, seed) * 2 for seed, n in zip(range(80, 84), [3, 5, 7, 9])]
 SEEDED_PARAMS = [SamplingParams(temperature=0.7, top_k=8, seed=30 + i, max_tokens=24) for i in range(4)]
 
@@ -411,6 +458,123 @@ def test_seeded_speculation_under_forced_preemption(target, drafters, seeded_pla
         assert llm.stats()["num_preemptions"] > 0
         assert llm.stats()["spec"]["accepted_tokens"] > 0
         assert [o.token_ids for o in outs] == [o.token_ids for o in plain], f"async={mode}"
+
+
+# ---- penalties and logprobs under speculation: against plain decoding and the dense reference ------------------
+# Pairs of requests with the three penalties (discouraging repetition in half the pairs, encouraging it in the
+# other half) and logprobs=3, on repetitive prompts: a seeded one at temperature 0.7 with top-k 8, and a greedy one
+# that finishes no later. Both prompts fit the 8-token budget of one step; then it schedules both rows (1 + k tokens
+# each) every step, and each step emits 1 to 1 + k tokens per row (the greedy one's <= 8 tokens take at most 8
+# steps, the seeded one's 32 at least 8). So every step has a sampling row, and each engine compiles a single step
+# variant. Each engine runs the pairs once (argmax drafts, k=3, ENGINE's shapes); the tests read its outputs.
+PENALTIES = [dict(presence_penalty=0.4, frequency_penalty=0.3, repetition_penalty=1.3),
+             dict(presence_penalty=-0.4, frequency_penalty=-0.1, repetition_penalty=0.8)]
+PENALIZED_PAIRS = [
+    ([prompt_of(2 + i % 2, 100 + i) * 2, prompt_of(2 - i % 2, 200 + i) * 2],
+     [SamplingParams(temperature=0.7, top_k=8, seed=300 + i, max_tokens=32, logprobs=3, **PENALTIES[i % 2]),
+      SamplingParams(temperature=0, max_tokens=8 - i % 3, logprobs=3, **PENALTIES[i % 2])]) for i in range(8)]
+PENALIZED_PROMPTS = [p for prompts, _ in PENALIZED_PAIRS for p in prompts]
+PENALIZED_PARAMS = [p for _, params in PENALIZED_PAIRS for p in params]
+LOGPROB_TOLERANCE = 3e-5   # nats, float32 engine against the float32 dense reference (measured: raw <= 3.0e-6,
+#                            processed <= 7.2e-6)
+
+
+@pytest.fixture(scope="module")
+def penalized_runs(target, drafters):
+    """runs(method, logprobs_mode="raw_logprobs") -> (outputs in PENALIZED_PROMPTS order, stats), each run once
+    per module; method None is plain decoding (no speculation)."""
+    cache = {}
+
+    def runs(method, logprobs_mode="raw_logprobs"):
+        if (method, logprobs_mode) not in cache:
+            if method is None:
+                llm = LLM(target, **ENGINE, warmup=False, logprobs_mode=logprobs_mode)
+            else:
+                llm = make_llm(target, drafters, method, 3, logprobs_mode=logprobs_mode)
+            outs = [o for prompts, params in PENALIZED_PAIRS for o in run(llm, prompts, params)]
+            cache[method, logprobs_mode] = outs, llm.stats()
+        return cache[method, logprobs_mode]
+    return runs
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_penalties_under_speculation_equal_plain_penalized_decoding(penalized_runs, method):
+    """Presence, frequency and repetition penalties count the drafts before each verified position (the tokens it
+    follows if they are accepted): every token equals plain penalized decoding's, greedy and by seed; drafts were
+    accepted at two positions and rejected."""
+    outs, stats = penalized_runs(method)
+    plain, _ = penalized_runs(None)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    assert_partial_acceptance(stats["spec"], 2)
+
+
+def assert_logprobs(outs, expected):
+    """Each emitted token's logprob and the top 3 (ids in order, values) are the request's `expected` log-probs
+    [len(output), V] at its position, within LOGPROB_TOLERANCE."""
+    worst = 0.0
+    for o, want in zip(outs, expected):
+        assert len(o.logprobs) == len(o.token_ids) == len(want)
+        for j, (token, entry) in enumerate(zip(o.token_ids, o.logprobs)):
+            top = np.argsort(-want[j], kind="stable")[:3]
+            assert [t for t, _ in entry["top"]] == top.tolist(), f"position {j}"
+            got = np.array([entry["logprob"]] + [v for _, v in entry["top"]])
+            worst = max(worst, float(np.abs(got - np.concatenate([want[j, [token]], want[j, top]])).max()))
+    assert worst <= LOGPROB_TOLERANCE, worst
+
+
+def target_logits(references, prompt, output):
+    """The dense reference's target logits at each output position [len(output), V] (over the final sequence)."""
+    return references["target"].logits(prompt + output[:-1])[len(prompt) - 1:]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_logprobs_under_speculation_are_the_targets_log_softmax(penalized_runs, references, method):
+    """The default raw logprobs (vLLM's "raw_logprobs"): at every emitted position, accepted drafts, corrections
+    and bonus tokens alike, the token's logprob and the top 3 are the log-softmax of the target's logits at that
+    position, from the dense reference over the final sequence (not the penalized, tempered or truncated
+    distribution the token was drawn from)."""
+    outs, stats = penalized_runs(method)
+    assert_partial_acceptance(stats["spec"], 2)
+    assert_logprobs(outs, [log_softmax(target_logits(references, prompt, o.token_ids))
+                           for prompt, o in zip(PENALIZED_PROMPTS, outs)])
+
+
+def processed_logprobs(logits, prompt, output, params):
+    """vLLM's processed_logprobs at each output position [len(output), V]: the penalties (counting the output
+    before the position; repetition also the prompt), then for random rows temperature and top-k; log-softmax."""
+    V = logits.shape[-1]
+    out = np.empty_like(logits)
+    for j, x in enumerate(logits):
+        counts = np.bincount(np.asarray(output[:j], np.int64), minlength=V)
+        seen = (counts > 0) | np.isin(np.arange(V), prompt)
+        rp = params.repetition_penalty
+        x = np.where(seen, np.where(x > 0, x / rp, x * rp), x)
+        x = x - params.frequency_penalty * counts - params.presence_penalty * (counts > 0)
+        if params.temperature > 0:
+            x = x / params.temperature
+            x = np.where(x >= np.sort(x)[-params.top_k], x, -np.inf)
+        out[j] = log_softmax(x)
+    return out
+
+
+def test_processed_logprobs_under_speculation_are_the_sampled_distribution(penalized_runs, references):
+    """logprobs_mode="processed_logprobs": at every emitted position the logprob and the top 3 are those of the
+    distribution the token was drawn from, recomputed on the host from the dense reference's logits: penalties
+    over the output before that position (accepted drafts included), temperature 0.7 and top-k 8 for the seeded
+    rows. The tokens are the raw mode's (the mode changes what is returned, nothing else), whose logprobs are far
+    from these. n-gram drafting: the penalty counts of its accepted drafts change none of its tokens here (the
+    penalties test above cannot see them), but they change these logprobs."""
+    method = "ngram"
+    outs, stats = penalized_runs(method, "processed_logprobs")
+    raw_outs, _ = penalized_runs(method)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in raw_outs]
+    assert_partial_acceptance(stats["spec"], 2)
+    expected = [processed_logprobs(target_logits(references, prompt, o.token_ids), prompt, o.token_ids, p)
+                for prompt, o, p in zip(PENALIZED_PROMPTS, outs, PENALIZED_PARAMS)]
+    assert_logprobs(outs, expected)
+    raw_gap = max(abs(e["logprob"] - want[j, t]) for o, want in zip(raw_outs, expected)
+                  for j, (t, e) in enumerate(zip(o.token_ids, o.logprobs)))
+    assert raw_gap > 0.1, raw_gap
 
 
 # ---- loading errors ----------------------------------------------------------------------------------------

@@ -186,13 +186,14 @@ def sample(logprobs: jax.Array, is_greedy: jax.Array, keys: jax.Array) -> jax.Ar
     return jnp.where(jnp.asarray(is_greedy, bool), greedy_tok, drawn)
 
 
-def topn_logprobs(raw_logits: jax.Array, tokens: jax.Array, n: int):
-    """Log-probabilities under the raw (unprocessed) distribution, for the logprobs API.
+def topn_logprobs(logits: jax.Array, tokens: jax.Array, n: int):
+    """Log-probabilities under the distribution of `logits` (the raw logits, or the processed ones: -inf
+    where masked), for the logprobs API.
 
     Returns (tok_logprob f32[N], top_ids i32[N, n], top_lp f32[N, n]). Out-of-range tokens
     (e.g. -1 padding) get tok_logprob = -inf and are never used as an index.
     """
-    lp = jax.nn.log_softmax(jnp.asarray(raw_logits, jnp.float32), axis=-1)
+    lp = jax.nn.log_softmax(jnp.asarray(logits, jnp.float32), axis=-1)
     v = lp.shape[-1]
     tokens = jnp.asarray(tokens, jnp.int32)
     ok = (tokens >= 0) & (tokens < v)

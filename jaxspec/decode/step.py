@@ -123,7 +123,7 @@ def step(target, drafter, sc: StepConfig, variant: StepVariant, params, drafter_
     st = sampling_tensors(inp)
     positions = grammar_positions(grammar_table, state, tok, inp, V) if variant.grammar else None
     logprobs = target_distributions(variant, raw_logits, tok, inp, st, positions)          # [R, K+1, V]
-    keys = position_keys(inp, tok.base, K + 1)                                              # [R, K+1]
+    keys = verify_keys(inp, tok.base, K + 1)                                                # [R, K+1]
     emitted, num_accepted = sample_or_verify(variant, logprobs, st, tok.draft_ids, inp.rows["num_drafts"],
                                              draft_logprobs(state, tok.slot, drafter, K), keys)
     state, emitted, num_accepted, num_tokens, last_final = commit(sc, K, state, tok, inp, emitted, num_accepted,
@@ -138,14 +138,15 @@ def step(target, drafter, sc: StepConfig, variant: StepVariant, params, drafter_
                            emitted=emitted, num_accepted=num_accepted, sample_rows=inp.rows["sample"] > 0,
                            new_slot=inp.rows["new_slot"] > 0,
                            first_token=inp.rows["first_token"], sampling=st,
-                           keys=position_keys(inp, num_tokens, K, fold=2) if K else None, variant=variant,
+                           keys=draft_keys(inp, num_tokens, K) if K else None, variant=variant,
                            grammar=draft_grammar)
         drafter_state, drafts = drafter.propose(drafter_params, state.drafter, ctx)   # K = 0: its state only
         state = state.replace(drafter=drafter_state)
         if K:   # a narrower step writes the first K of the slot's drafts
             cols = slice(None) if K == state.drafts.shape[1] else slice(0, K)
             state = state.replace(drafts=state.drafts.at[tok.slot, cols].set(drafts.astype(jnp.int32)))
-    return state, outputs(variant, raw_logits, emitted, num_accepted)
+    return state, outputs(variant, raw_logits if sc.logprobs_mode == "raw_logprobs" else logprobs, emitted,
+                          num_accepted)
 
 
 # ---- the phases --------------------------------------------------------------------------------------------
@@ -283,6 +284,23 @@ def position_keys(inp: DeviceInputs, first_position, n: int, fold: int | None = 
     return keys.reshape(R, n, -1)
 
 
+# Each position's key is the verifier's: its Gumbel noise draws the token emitted there (jaxspec.decode.rejection),
+# and folded by 1 it gives the acceptance uniform. A draft sampled for the position draws from the key folded by
+# DRAFT_KEY_FOLD, a stream of its own: a draft drawn with the verifier's noise would be accepted or replaced with a
+# bias (the residual sample would reuse the noise that picked the draft).
+DRAFT_KEY_FOLD = 2
+
+
+def verify_keys(inp: DeviceInputs, base, n: int):
+    """[R, n]: the keys of positions base..base+n-1, where this step samples or verifies."""
+    return position_keys(inp, base, n)
+
+
+def draft_keys(inp: DeviceInputs, num_tokens, n: int):
+    """[R, n]: the keys the drafter samples the drafts for positions num_tokens..num_tokens+n-1 with."""
+    return position_keys(inp, num_tokens, n, fold=DRAFT_KEY_FOLD)
+
+
 def sample_or_verify(variant: StepVariant, logprobs, st, draft_ids, num_drafts, draft_lp, keys):
     """-> (emitted i32[R, K+1] padded with -1, num_accepted i32[R]): K = 0 samples one token per row; otherwise
     the drafts are verified (jaxspec.decode.rejection)."""
@@ -328,13 +346,14 @@ def commit(sc: StepConfig, K: int, state: DecodeState, tok: Tokens, inp: DeviceI
     return state, emitted, num_accepted, num_tokens, last_final
 
 
-def outputs(variant: StepVariant, raw_logits, emitted, num_accepted) -> dict:
+def outputs(variant: StepVariant, logits, emitted, num_accepted) -> dict:
     """One array back to the host per step: the emitted tokens, the accepted count in the last column; the
-    logprobs arrays when a row asked for them."""
+    logprobs arrays when a row asked for them, the log-softmax of `logits` [R, K+1, V] at each position (the
+    raw logits or the processed distribution: StepConfig.logprobs_mode)."""
     out = {"tokens": jnp.concatenate([emitted, num_accepted[:, None]], axis=1)}
     if variant.logprobs:
-        R, K1, V = raw_logits.shape
-        tok_lp, top_ids, top_lp = sampling.topn_logprobs(raw_logits.reshape(R * K1, V), emitted.reshape(-1),
+        R, K1, V = logits.shape
+        tok_lp, top_ids, top_lp = sampling.topn_logprobs(logits.reshape(R * K1, V), emitted.reshape(-1),
                                                          MAX_LOGPROBS)
         out.update(logprob=tok_lp.reshape(R, K1), top_ids=top_ids.reshape(R, K1, MAX_LOGPROBS),
                    top_logprobs=top_lp.reshape(R, K1, MAX_LOGPROBS))

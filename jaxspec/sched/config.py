@@ -6,6 +6,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jaxspec.decode.state import LOGPROBS_MODES
+
 
 @dataclasses.dataclass
 class EngineConfig:
@@ -25,6 +27,7 @@ class EngineConfig:
     delta_rule: str = "auto"     # Gated DeltaNet recurrence: "reference" (JAX scan), "pallas" (kernel), "auto" (GPU: kernel)
     tensor_parallel_size: int = 1     # devices the model is split over (nn/sharding.py)
     structured_compile_timeout: float = 30.0   # seconds one request's structured-outputs constraint may compile
+    logprobs_mode: str = "raw_logprobs"   # what `logprobs` returns: "raw_logprobs" or "processed_logprobs" (vLLM's)
 
     def validate(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
@@ -43,6 +46,11 @@ class EngineConfig:
             raise ValueError(f"attention={self.attention!r} is invalid; choose 'auto', 'pallas' or 'reference'")
         if self.delta_rule not in ("auto", "pallas", "reference"):
             raise ValueError(f"delta_rule={self.delta_rule!r} is invalid; choose 'auto', 'pallas' or 'reference'")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            logits_mode = self.logprobs_mode in ("raw_logits", "processed_logits")
+            raise ValueError(f"logprobs_mode={self.logprobs_mode!r} is invalid"
+                             f"{' (vLLM logits modes are not supported)' if logits_mode else ''}; choose "
+                             f"{' or '.join(map(repr, LOGPROBS_MODES))}")
 
     def resolve_max_model_len(self, model_config) -> int:
         """The context length: the configured one, checked against the model's, or min(model's, 4096)."""

@@ -72,7 +72,7 @@ class Engine:
         K = spec.num_speculative_tokens if spec else 0
         self.step_config = StepConfig(block_size=config.block_size, num_blocks=num_blocks,
                                       num_slots=config.max_num_seqs, max_model_len=max_model_len,
-                                      num_speculative_tokens=K)
+                                      num_speculative_tokens=K, logprobs_mode=config.logprobs_mode)
         ops = Ops.for_backend(config.block_size, config.attention, config.unroll_layers, tp, config.delta_rule)
         self.runner = ModelRunner(model, self.step_config, ops, drafter, drafter_params,
                                   max_rows=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens)

@@ -139,8 +139,8 @@ class Server:
         for e in entries:
             text = self.token_text(e["token_id"])
             tokens.append(text)
-            lps.append(e["logprob"])
-            tops.append({self.token_text(t): lp for t, lp in e["top"]})
+            lps.append(_json_logprob(e["logprob"]))
+            tops.append({self.token_text(t): _json_logprob(lp) for t, lp in e["top"]})
             offsets.append(offset)
             offset += len(text)
         return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
@@ -148,7 +148,7 @@ class Server:
     def chat_logprobs(self, entries: list) -> dict:
         def item(token_id, lp):
             text = self.token_text(token_id)
-            return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+            return {"token": text, "logprob": _json_logprob(lp), "bytes": list(text.encode("utf-8"))}
         return {"content": [{**item(e["token_id"], e["logprob"]),
                              "top_logprobs": [item(t, lp) for t, lp in e["top"]]} for e in entries]}
 
@@ -251,6 +251,12 @@ class Server:
 def _with_ids(c) -> list:
     """The completion's logprob entries, each with the token id it belongs to."""
     return [{**e, "token_id": t} for e, t in zip(c.logprobs, c.token_ids)]
+
+
+def _json_logprob(lp: float) -> float:
+    """A logprob as JSON can carry it: processed logprobs are -inf for tokens the sampling masked (top-k beyond its
+    k), which JSON has no number for; -9999.0 in their place, as vLLM's server writes them."""
+    return max(lp, -9999.0)
 
 
 def _sse(obj) -> str:
