@@ -1,8 +1,9 @@
 """Engine tests: parity with transformers, async == sync, preemption and chunked prefill, stops, aborts,
 sampling statistics, logprobs, host-buffer hazards, input validation.
 
-CPU, float32. LLM instances are module-scoped and shared: each distinct engine config compiles its step
-once per token bucket (a few seconds each), so the configs here are few and the budgets small.
+CPU, float32 (but one test: the bfloat16 engine in the GPU layout). LLM instances are module-scoped and shared:
+each distinct engine config compiles its step once per token bucket (a few seconds each), so the configs here are
+few and the budgets small.
 """
 from __future__ import annotations
 

@@ -9,7 +9,10 @@ transformers' own pure-torch definitions, on tiny random checkpoints written by 
   - MTP: the head read from the checkpoint's mtp.* tensors gives a reference's logits (transformers' own layer
     inside the published MTP wiring), and after every step the device's drafts are the reference's proposals (as
     are a hybrid draft model's its dense greedy continuation);
-  - prefix caching is refused for them with a reason.
+  - prefix caching is refused for them with a reason;
+  - in the GPU layout (unrolled layers, the Pallas attention interpreted), on one device and split over 2 and 4
+    devices, plain decoding of the MoE hybrid and MTP drafting give transformers' tokens and logprobs and the
+    reference head's drafted and accepted counts.
 """
 import dataclasses
 import functools

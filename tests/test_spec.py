@@ -6,7 +6,8 @@ regime (drafts accepted at several positions, and rejected). EAGLE heads are fit
 (tests/eagle_heads.py) and written in the published HF layouts. What the engine drafts, accepts and emits is
 checked against tests/reference.py, written from the published definitions. Every tiny engine shares one
 shape configuration, so steps that differ only in their params or in async/sync scheduling hit the persistent
-compilation cache set up in conftest.
+compilation cache set up in conftest. The EAGLE heads also run in the GPU layout (unrolled layers, the Pallas
+attention interpreted), against the same references.
 """
 import math
 
