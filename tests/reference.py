@@ -217,9 +217,9 @@ class Greedy:
         distribution of the token at p+1."""
         padded = np.zeros(max(self.length, len(ids)), np.int32)
         padded[:len(ids)] = ids
-        logits = np.asarray(self._logits(jnp.asarray(padded)), np.float64)[:len(ids)]
-        return logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - \
-            logits.max(-1, keepdims=True)
+        shifted = np.asarray(self._logits(jnp.asarray(padded)), np.float64)[:len(ids)]
+        shifted -= shifted.max(-1, keepdims=True)
+        return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
 
 
 # ---- drafts of the other methods, and what a greedy run must have counted ----------------------------------
