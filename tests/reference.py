@@ -221,6 +221,15 @@ class Greedy:
             seq.append(int(np.argmax(self.logits(seq)[-1])))
         return seq[len(ids):]
 
+    def log_probs(self, ids) -> np.ndarray:
+        """The log-softmax of the logits after each token of `ids` [len(ids), V] (float64): row p is the
+        distribution of the token at p+1."""
+        padded = np.zeros(max(self.length, len(ids)), np.int32)
+        padded[:len(ids)] = ids
+        shifted = np.asarray(self._logits(jnp.asarray(padded)), np.float64)[:len(ids)]
+        shifted -= shifted.max(-1, keepdims=True)
+        return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+
 
 # ---- drafts of the other methods, and what a greedy run must have counted ----------------------------------
 

@@ -1,8 +1,9 @@
 """Engine tests: parity with transformers, async == sync, preemption and chunked prefill, stops, aborts,
 sampling statistics, logprobs, host-buffer hazards, input validation.
 
-CPU, float32. LLM instances are module-scoped and shared: each distinct engine config compiles its step
-once per token bucket (a few seconds each), so the configs here are few and the budgets small.
+CPU, float32 (but one test: the bfloat16 engine in the GPU layout). LLM instances are module-scoped and shared:
+each distinct engine config compiles its step once per token bucket (a few seconds each), so the configs here are
+few and the budgets small.
 """
 from __future__ import annotations
 
@@ -763,3 +764,46 @@ def test_chat_and_generate_function(smol):
     assert r.token_ids == smol.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=4),
                                         use_tqdm=False)[0].token_ids
     assert_idle(smol)
+
+
+# ---- the GPU defaults: bfloat16 weights and activations, unrolled layers, the Pallas attention -----------------
+
+def test_bfloat16_engine_in_the_gpu_layout_agrees_with_float32():
+    """The engine as a GPU runs it (bfloat16 weights, activations and KV; unrolled layers; the fused Pallas
+    attention, interpreted), greedy with logprobs, against the float32 dense reference (tests/reference.py) over
+    the engine's own outputs.
+
+    The margin: bf16 keeps 8 significant bits, so every weight, activation and cached key rounds by up to 2^-9 of
+    itself, and through the layers each log-probability moves by some e. e is measured here as the largest
+    |log-softmax| difference between the same reference run in bfloat16 and in float32, over every position and
+    token of the sequences (~0.07 nats). The engine's bf16 logprobs must move no more than that (~0.03 measured: its
+    norms, softmaxes and logits are f32); then a top-2 gap moves by at most 2e, and wherever float32's gap between
+    its two best tokens exceeds 2e the engine's greedy token is float32's argmax. Most positions are checked."""
+    from conftest import random_model
+    from reference import Greedy
+    model = random_model(21)
+    bf16 = dataclasses.replace(model, params=jax.tree_util.tree_map(lambda x: x.astype(jax.numpy.bfloat16),
+                                                                    model.params))
+    prompts = [np.random.default_rng(s).integers(0, 128, n).tolist() for s, n in enumerate([5, 3, 9, 6])]
+    llm = LLM(bf16, max_num_seqs=4, max_model_len=64, max_num_batched_tokens=8, block_size=4, warmup=False,
+              attention="pallas", unroll_layers=True)
+    assert llm.engine.runner.state.layers["attention"]["k"].dtype == jax.numpy.bfloat16
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=1),
+                        use_tqdm=False)
+    f32 = Greedy(model.hf_tensors, model.config)
+    b16 = Greedy({k: jax.numpy.asarray(v, jax.numpy.bfloat16) for k, v in model.hf_tensors.items()}, model.config)
+    e, engine_error, gaps, agree = 0.0, 0.0, [], []
+    for prompt, out in zip(prompts, outs):
+        seq = prompt + out.token_ids
+        ref32, ref16 = f32.log_probs(seq)[len(prompt) - 1:-1], b16.log_probs(seq)[len(prompt) - 1:-1]
+        e = max(e, np.abs(ref16 - ref32).max())
+        for j, (token, entry) in enumerate(zip(out.token_ids, out.logprobs)):
+            engine_error = max(engine_error, abs(entry["logprob"] - ref32[j, token]),
+                               *(abs(lp - ref32[j, t]) for t, lp in entry["top"]))
+            top2 = np.sort(ref32[j])[-2:]
+            gaps.append(top2[1] - top2[0])
+            agree.append(token == np.argmax(ref32[j]))
+    assert 0 < engine_error <= e, (engine_error, e)
+    checked = np.asarray(gaps) > 2 * e
+    assert checked.sum() >= 0.6 * len(gaps), (checked.sum(), len(gaps), e)
+    assert np.asarray(agree)[checked].all(), np.nonzero(checked & ~np.asarray(agree))

@@ -9,7 +9,10 @@ transformers' own pure-torch definitions, on tiny random checkpoints written by 
   - MTP: the head read from the checkpoint's mtp.* tensors gives a reference's logits (transformers' own layer
     inside the published MTP wiring), and after every step the device's drafts are the reference's proposals (as
     are a hybrid draft model's its dense greedy continuation);
-  - prefix caching is refused for them with a reason.
+  - prefix caching is refused for them with a reason;
+  - in the GPU layout (unrolled layers, the Pallas attention interpreted), on one device and split over 2 and 4
+    devices, plain decoding of the MoE hybrid and MTP drafting give transformers' tokens and logprobs and the
+    reference head's drafted and accepted counts.
 """
 import dataclasses
 import functools
@@ -500,3 +503,64 @@ def test_unsupported_hybrid_configs_are_named(hybrid_dirs):
         ModelConfig.from_hf({**hf, "layer_types": ["linear_attention", "sliding_attention"]})
     config = ModelConfig.from_hf({k: v for k, v in hf.items() if k != "layer_types"} | {"num_hidden_layers": 4})
     assert config.layer_types == ("gated_deltanet",) * 3 + ("gated_attention",)   # full attention every 4th
+
+
+# ---- the GPU layout, on one device and split over 2 and 4 -----------------------------------------------------
+
+def hf_log_probs(hf, ids) -> np.ndarray:
+    """transformers' log-softmax after each token of `ids` [len(ids), V] (float64)."""
+    logits = hf_logits(hf, ids)
+    shifted = logits - logits.max(-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+
+
+# A 3-token prompt that samples at once beside a 9-token one prefilled in two chunks: every step has a row that
+# samples (an engine compiles one step variant).
+GPU_PROMPTS = [PROMPTS[1], PROMPTS[0]]
+GPU_MAX_TOKENS = 9
+LOGPROB_TOLERANCE = 2e-5   # max |engine - transformers| of a logprob: ~4.5e-6 measured
+
+
+@pytest.mark.parametrize("name,method,tp", [("qwen3_next", None, 2), ("qwen3_next", None, 4),
+                                            ("qwen3_5_fitted", "mtp", 1), ("qwen3_5_fitted", "mtp", 2),
+                                            ("qwen3_5_fitted", "mtp", 4)])
+def test_gpu_layout_matches_transformers(hf_models, models, mtp_checkpoints, name, method, tp):
+    """The GPU layout (unrolled layers, the Pallas attention interpreted) for the Qwen3-Next MoE hybrid decoding
+    plainly and the Qwen3.5 hybrid drafting with its fitted MTP head, on one device and with the model split over 2
+    devices (its 2 KV heads one per device, the Pallas attention under shard_map) and 4 (attention replicated; the
+    MLP, experts and vocabulary split): greedy tokens are transformers' `generate`, logprobs (the token's and the
+    top 2) transformers' log-softmax, and MTP's drafted and accepted counts the host's step-by-step recomputation
+    from the reference head's drafts (reference.greedy_spec_counts); drafts are accepted."""
+    from reference import greedy_spec_counts
+    from test_spec import logprob_errors
+    k = MTP_K
+    hf = hf_models[name.removesuffix("_fitted")]
+    target = load_model(mtp_checkpoints[name][0], dtype="float32") if method == "mtp" else models[name]
+    spec = dict(method=method, num_speculative_tokens=k) if method else None
+    engine = dict(ENGINE, max_num_batched_tokens=8, num_kv_blocks=13, warmup=False, speculative_config=spec,
+                  tensor_parallel_size=tp, attention="pallas", unroll_layers=True)
+    if tp == 4:
+        with pytest.warns(UserWarning, match="attention .* is replicated"):
+            llm = LLM(target, **engine)
+    else:
+        llm = LLM(target, **engine)
+    ops = llm.engine.runner.ops
+    assert ops.unroll and ops.attention == "pallas" and (ops.tp is None if tp == 1 else ops.tp.size == tp)
+    if name == "qwen3_next" and tp > 1:   # every expert split by its MLP width (the Gated DeltaNet stays whole)
+        experts = llm.engine.runner.params["layers"]["gated_attention"]["experts_gate_up"]   # [n, E, D, F, 2]
+        assert experts.sharding.spec == jax.sharding.PartitionSpec(None, None, None, "tp")
+    outs = llm.generate(GPU_PROMPTS, SamplingParams(temperature=0, max_tokens=GPU_MAX_TOKENS, ignore_eos=True,
+                                                    logprobs=2), use_tqdm=False)
+    continuations = [p + hf_greedy(hf, p, GPU_MAX_TOKENS + k + 1) for p in GPU_PROMPTS]
+    assert [o.token_ids for o in outs] == [c[len(p):len(p) + GPU_MAX_TOKENS]
+                                           for p, c in zip(GPU_PROMPTS, continuations)]
+    assert logprob_errors(GPU_PROMPTS, outs, functools.partial(hf_log_probs, hf)).max() < LOGPROB_TOLERANCE
+    if method == "mtp":
+        reference = mtp_checkpoints[name][1]
+        expected = [greedy_spec_counts(c, len(p), GPU_MAX_TOKENS, ENGINE["max_model_len"], k,
+                                       lambda seq: reference.greedy_drafts(seq, k))
+                    for p, c in zip(GPU_PROMPTS, continuations)]
+        assert [(o.metrics["num_draft_tokens"], o.metrics["num_accepted_tokens"]) for o in outs] == [
+            (e["draft_tokens"], e["accepted_tokens"]) for e in expected]
+        spec = llm.stats()["spec"]
+        assert 0 < spec["accepted_tokens"] < spec["draft_tokens"], spec

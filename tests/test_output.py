@@ -82,3 +82,26 @@ def test_inter_token_latencies_are_the_gaps_between_token_times(tokenizer):
     times = req.token_times
     assert times == [1.0] * 3 + [1.5] + [3.25] * 2
     assert request_metrics(req)["inter_token_latencies"] == [b - a for a, b in zip(times, times[1:])]
+
+
+@pytest.mark.parametrize("chunk", [3, 4])
+def test_a_stop_string_completed_mid_step_keeps_what_one_token_a_step_keeps(tokenizer, chunk):
+    """A step that confirms several tokens at once (speculation) and completes a stop string before its last one:
+    the request ends with the tokens, logprobs, times and text that one token a step gives, the stop string's
+    last token the last kept (the step's later tokens dropped)."""
+    ids = tokenizer.encode(TEXT)
+    stop = tokenizer.decode(ids[8:10])             # completed by token 9: mid-step for chunks of 3 and 4
+
+    def run(n):
+        req = Request("r", [1], SamplingParams(max_tokens=len(ids), ignore_eos=True, stop=[stop]), 0, ())
+        for i in range(0, len(ids), n):
+            lps = [{"logprob": -float(j), "top": []} for j in range(i, i + n)]
+            append_tokens(req, ids[i:i + n], tokenizer, 10_000, logprobs=lps)
+            if req.finish_reason:
+                return req
+
+    one, many = run(1), run(chunk)
+    assert len(one.output_token_ids) == 10 and one.finish_reason == many.finish_reason == "stop"
+    assert many.output_token_ids == one.output_token_ids and many.text == one.text
+    assert many.logprobs == one.logprobs
+    assert len(many.token_times) == len(many.inter_token_latencies) + 1 == 10

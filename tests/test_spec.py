@@ -6,7 +6,8 @@ regime (drafts accepted at several positions, and rejected). EAGLE heads are fit
 (tests/eagle_heads.py) and written in the published HF layouts. What the engine drafts, accepts and emits is
 checked against tests/reference.py, written from the published definitions. Every tiny engine shares one
 shape configuration, so steps that differ only in their params or in async/sync scheduling hit the persistent
-compilation cache set up in conftest.
+compilation cache set up in conftest. The EAGLE heads also run in the GPU layout (unrolled layers, the Pallas
+attention interpreted), against the same references.
 """
 import math
 
@@ -79,6 +80,21 @@ def assert_greedy_lossless(model, prompts, outputs):
 
 def run(llm, prompts, params):
     return llm.generate(prompts, params, use_tqdm=False)
+
+
+def logprob_errors(prompts, outs, log_probs) -> np.ndarray:
+    """|engine - reference| of every logprob the outputs hold: each emitted token's and each top-n alternative's,
+    whose ids must be the reference's n most likely in order. `log_probs(sequence)` -> the reference's
+    log-softmax after each of its tokens [len, V] (reference.Greedy.log_probs)."""
+    errors = []
+    for prompt, out in zip(prompts, outs):
+        ref = log_probs(list(prompt) + list(out.token_ids))[len(prompt) - 1:-1]    # row j: output token j's
+        assert len(out.logprobs) == len(out.token_ids) == len(ref)
+        for j, (token, entry) in enumerate(zip(out.token_ids, out.logprobs)):
+            top = [t for t, _ in entry["top"]]
+            assert top == np.argsort(-ref[j], kind="stable")[:len(top)].tolist(), f"top ids at output {j}"
+            errors += [abs(entry["logprob"] - ref[j, token])] + [abs(lp - ref[j, t]) for t, lp in entry["top"]]
+    return np.array(errors)
 
 
 def assert_partial_acceptance(spec: dict, positions: int):
@@ -653,3 +669,48 @@ def test_unrolled_layers_and_pallas_attention_give_the_same_tokens():
                                             unroll=gpu_layout)
     assert runs[0] == runs[1]
     assert sum(runs[0][1]) > 0
+
+
+# ---- the GPU layout with the EAGLE heads (also under tensor parallelism: tests/test_tp.py) -----------------------
+
+# What a GPU runs (Ops.for_backend): layers unrolled, each reading its stacked weights and KV pool at a static
+# index, and the Pallas paged attention (interpreted on a CPU; on one device the kernel with the KV write inside).
+GPU_LAYOUT = dict(attention="pallas", unroll_layers=True)
+# A prompt prefilled in two chunks beside one that decodes: every step has a row that samples, so an engine compiles
+# one step variant (a step where no row samples compiles another).
+GPU_PROMPTS = [prompt_of(7, 70), prompt_of(3, 71)]
+# max |engine - dense reference| of a logprob, float32: ~2e-6 measured
+LOGPROB_TOLERANCE = 1e-5
+
+
+def check_greedy_speculation(llm, references, method, k: int = 3, max_tokens: int = 12):
+    """Runs GPU_PROMPTS greedily with logprobs=2 (async, no preemption) and checks them against the independent
+    references: every token is the target's dense greedy continuation and every logprob the dense log-softmax's;
+    each request's drafted and accepted counts, and the accepted count per draft position, are the host's
+    step-by-step recomputation from the reference drafts (what the CPU layout is held to by
+    test_spec_counts_recomputed_on_host); drafts were accepted at the first two positions, and some rejected."""
+    continuations, expected = [], []
+    for p in GPU_PROMPTS:
+        continuation = p + references["target"].next_tokens(p, max_tokens + k + 1)
+        continuations.append(continuation[len(p):len(p) + max_tokens])
+        expected.append(greedy_spec_counts(continuation, len(p), max_tokens, ENGINE["max_model_len"], k,
+                                           lambda seq: references["propose"][method](seq, k)))
+    outs = run(llm, GPU_PROMPTS, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=2))
+    assert llm.stats()["num_preemptions"] == 0
+    assert [o.token_ids for o in outs] == continuations
+    assert logprob_errors(GPU_PROMPTS, outs, references["target"].log_probs).max() < LOGPROB_TOLERANCE
+    assert [(o.metrics["num_draft_tokens"], o.metrics["num_accepted_tokens"]) for o in outs] == [
+        (e["draft_tokens"], e["accepted_tokens"]) for e in expected]
+    spec = llm.stats()["spec"]
+    per_position = np.round(np.asarray(spec["per_position_acceptance"]) * spec["drafts"]).astype(int)
+    assert per_position.tolist() == np.sum([e["per_position"] for e in expected], axis=0).tolist()
+    assert_partial_acceptance(spec, 2)
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_eagle_heads_in_the_gpu_layout_match_the_references(target, drafters, references, method):
+    """EAGLE-1 and EAGLE-3 with the target and the head in the GPU layout (unrolled layers, the fused Pallas
+    attention interpreted): check_greedy_speculation's tokens, logprobs and counts."""
+    llm = make_llm(target, drafters, method, 3, num_kv_blocks=40, **GPU_LAYOUT)
+    assert llm.engine.runner.ops == Ops(attention="pallas", block_size=4, unroll=True)
+    check_greedy_speculation(llm, references, method)

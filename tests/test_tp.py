@@ -1,6 +1,7 @@
 """Tensor parallelism on four CPU devices (conftest sets XLA_FLAGS): the model split over 2 or 4 devices by its
 declared logical axes emits the tokens and logprobs of one device, for each layout, under chunked prefill,
-preemption, speculation (every method), async and sync."""
+preemption, speculation (every method), async and sync; and in the configuration a GPU runs (unrolled layers, the
+Pallas attention interpreted) it emits the dense reference's tokens and logprobs (the hybrids: tests/test_hybrid.py)."""
 import jax
 import numpy as np
 import pytest
@@ -8,7 +9,9 @@ from jax.sharding import PartitionSpec as P
 
 from conftest import random_model
 from test_prefix_cache import RECURRING
-from test_spec import METHODS, drafters, make_llm, prompt_of, target  # noqa: F401
+from reference import Greedy
+from test_spec import (GPU_LAYOUT, LOGPROB_TOLERANCE, METHODS, check_greedy_speculation, drafters,  # noqa: F401
+                       logprob_errors, make_llm, prompt_of, references, target)
 from jaxspec import LLM, SamplingParams
 
 # chunked prefill, and a pool too small for the batch: preemption; each engine compiles only the step variant
@@ -77,3 +80,36 @@ def test_invalid_tensor_parallel_sizes_are_refused(target):
     for size, why in [(8, "only 4 local device"), (3, "the MLP width"), (0, "the MLP width"), (True, "the MLP width")]:
         with pytest.raises(ValueError, match=rf"tensor_parallel_size={size!r} is invalid \({why}.*valid sizes here: \[1, 2, 4\]"):
             LLM(target, **TP_ENGINE, tensor_parallel_size=size)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_gpu_layout_under_tensor_parallelism_matches_the_dense_reference(tp):
+    """A dense model whose 4 KV heads split over 2 and 4 devices, in the GPU layout, through chunked prefill and
+    preemption: its greedy tokens are the dense reference's (tests/reference.py, one device, no paging) and its
+    logprobs (the token's and the top 2) the reference's log-softmax. Every layer attends to its own KV pool: a
+    layer reading another's changes the tokens."""
+    model = random_model(3, num_heads=8, num_kv_heads=4, hidden_size=64, intermediate_size=128)
+    llm = LLM(model, **TP_ENGINE, tensor_parallel_size=tp, **GPU_LAYOUT)
+    ops = llm.engine.runner.ops
+    assert ops.unroll and ops.attention == "pallas" and ops.tp.size == tp and ops.tp.shard_attention
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12, logprobs=2), use_tqdm=False)
+    assert llm.stats()["num_preemptions"] > 0
+    reference = Greedy(model.hf_tensors, model.config)
+    assert [o.token_ids for o in outs] == [reference.next_tokens(p, 12) for p in PROMPTS]
+    assert logprob_errors(PROMPTS, outs, reference.log_probs).max() < LOGPROB_TOLERANCE
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_eagle3_in_the_gpu_layout_under_tensor_parallelism(target, drafters, references, tp):
+    """EAGLE-3 drafting for the speculation tests' target in the GPU layout, split over 2 devices (its 2 KV heads
+    one per device, the Pallas attention under shard_map) and over 4 (attention replicated, as for Qwen2.5-1.5B's
+    2 KV heads; the MLP and vocabulary split): test_spec.check_greedy_speculation's tokens, logprobs and counts,
+    against the dense references."""
+    if tp == 4:
+        with pytest.warns(UserWarning, match="attention .* is replicated"):
+            llm = make_llm(target, drafters, "eagle3", 3, num_kv_blocks=40, tensor_parallel_size=tp, **GPU_LAYOUT)
+    else:
+        llm = make_llm(target, drafters, "eagle3", 3, num_kv_blocks=40, tensor_parallel_size=tp, **GPU_LAYOUT)
+    ops = llm.engine.runner.ops
+    assert ops.unroll and ops.attention == "pallas" and ops.tp.size == tp and ops.tp.shard_attention == (tp == 2)
+    check_greedy_speculation(llm, references, "eagle3")

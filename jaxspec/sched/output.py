@@ -139,22 +139,37 @@ def render_texts(reqs: list[Request], tokenizer):
     right before the first one; a finished request that rendered nothing gets its whole text."""
     rendering = [req for req in reqs if renders_text(req, tokenizer)]
     old_lens = [len(req.text) for req in rendering]
+    old_reads = [req.detok_read for req in rendering]
     windows = [_detok_window(req, _text_ids(req)) for req in rendering]
     live = [w for w in windows if w is not None]
     texts = iter(tokenizer.decode_batch([ids for w in live for ids in w[:2]], skip_special_tokens=True)
                  if live else [])
-    for req, old_len, window in zip(rendering, old_lens, windows):
+    for req, old_len, old_read, window in zip(rendering, old_lens, old_reads, windows):
         if window is not None:
             _advance_text(req, next(texts), next(texts), window[2])
         p = req.params
         if p.stop and len(req.output_token_ids) >= p.min_tokens:
-            hit = _first_stop(req.text, p.stop, max(0, old_len - max(map(len, p.stop))))
+            search_from = max(0, old_len - max(map(len, p.stop)))
+            hit = _first_stop(req.text, p.stop, search_from)
             if hit is not None:
                 req.text = req.text[:hit]
                 req.finish_reason = "stop"
+                _drop_tokens_past_stop(req, tokenizer, search_from, old_read)
     for req in reqs:
         if req.finish_reason and not req.text:
             final_text(req, tokenizer)
+
+
+def _drop_tokens_past_stop(req: Request, tokenizer, search_from: int, rendered: int):
+    """A step that confirms several tokens (speculation) may complete a stop string before its last one: the
+    output keeps the tokens up to the one that completes it, as one token a step would (their logprobs and times
+    too); `rendered`: output tokens whose text was searched in earlier steps."""
+    ids, p = req.output_token_ids, req.params
+    for n in range(max(rendered + 1, p.min_tokens, 1), len(ids)):
+        if _first_stop(tokenizer.decode(ids[:n], skip_special_tokens=True), p.stop, search_from) is not None:
+            del ids[n:], req.logprobs[n:], req.token_times[n:], req.inter_token_latencies[max(n - 1, 0):]
+            req.detok_prefix, req.detok_read = min(req.detok_prefix, n), min(req.detok_read, n)
+            return
 
 
 def _text_ids(req: Request) -> list[int]:
