@@ -23,6 +23,20 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 
 import pytest  # noqa: E402
 
+
+def optimize_steps(llm):
+    """Compiles `llm`'s steps with LLVM's optimisation, which the suite otherwise leaves out (above): for a real
+    model, whose steps run many times and cost more to run than to compile. Returns llm."""
+    import dataclasses
+    from jaxspec.nn.ops import Ops
+
+    class OptimizedOps(Ops):
+        def compiler_options(self, num_tokens: int) -> dict:
+            return {**super().compiler_options(num_tokens), "xla_backend_optimization_level": 2}
+    runner = llm.engine.runner
+    runner.ops = OptimizedOps(**{f.name: getattr(runner.ops, f.name) for f in dataclasses.fields(Ops)})
+    return llm
+
 TINY_DIMS = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
 

@@ -16,6 +16,7 @@ import jax
 import numpy as np
 import pytest
 
+from conftest import optimize_steps
 import jaxspec
 import jaxspec.decode.inputs as inputs_mod
 from jaxspec import LLM, SamplingParams
@@ -659,8 +660,8 @@ TEXTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, the
 
 @pytest.fixture(scope="module")
 def smol(smollm2_model):
-    return LLM(smollm2_model, max_num_seqs=8, max_num_batched_tokens=16, max_model_len=256,
-               warmup=False)   # greedy only: the sampling steps are never compiled
+    return optimize_steps(LLM(smollm2_model, max_num_seqs=8, max_num_batched_tokens=16, max_model_len=256,
+                              warmup=False))   # greedy only: the sampling steps are never compiled
 
 
 def test_greedy_matches_transformers(smol, smollm2_hf_model):

@@ -19,7 +19,7 @@ import pytest
 from conftest import random_model
 from eagle_heads import write_eagle3_head
 from reference import EagleReference, Greedy, greedy_spec_counts, target_forward
-from test_spec import chi2_rejects
+from test_spec_sampling import chi2_rejects
 from jaxspec import LLM, SamplingParams, StructuredOutputsParams
 from jaxspec.structured.compiler import GrammarCompiler, token_bytes
 from jaxspec.structured.table import GrammarTables

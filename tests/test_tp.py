@@ -10,8 +10,8 @@ from jax.sharding import PartitionSpec as P
 from conftest import random_model
 from test_prefix_cache import RECURRING
 from reference import Greedy
-from test_spec import (GPU_LAYOUT, LOGPROB_TOLERANCE, METHODS, check_greedy_speculation, drafters,  # noqa: F401
-                       logprob_errors, make_llm, prompt_of, references, target)
+from test_spec import (METHODS, drafters, logprob_errors, make_llm, prompt_of, references, target)  # noqa: F401
+from test_spec_layouts import GPU_LAYOUT, LOGPROB_TOLERANCE, check_greedy_speculation
 from jaxspec import LLM, SamplingParams
 
 # chunked prefill, and a pool too small for the batch: preemption; each engine compiles only the step variant
