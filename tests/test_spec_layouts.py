@@ -25,16 +25,18 @@ def test_qwen_coder_0_5b_drafts_for_1_5b_losslessly():
     from jaxspec.models.loader import load_model
     target = load_model("qwen2.5-coder-1.5b-instruct", dtype="float32")
     draft = load_model("qwen2.5-coder-0.5b-instruct", dtype="float32")
-    llm = optimize_steps(LLM(target, dtype="float32", max_num_seqs=2, max_model_len=512, max_num_batched_tokens=256,
+    llm = optimize_steps(LLM(target, dtype="float32", max_num_seqs=2, max_model_len=512, max_num_batched_tokens=128,
                              block_size=16, warmup=False,
                              speculative_config=dict(method="draft_model", model=draft, num_speculative_tokens=4)))
     texts = humaneval_prompts(2)
-    prompts = [target.tokenizer.encode(t) for t in texts]
+    # each prompt's first 64 tokens (the signature, imports and part of the docstring): on a CPU the 1.5B model's
+    # prefill and the dense check grow with the prompt, and what is checked does not
+    prompts = [target.tokenizer.encode(t)[:64] for t in texts]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
     assert all(len(o.token_ids) == 16 for o in outs)
     assert_greedy_lossless(target, prompts, outs)
     spec = llm.stats()["spec"]
-    print(f"\nQwen2.5-Coder 0.5B -> 1.5B, k=4, HumanEval[:2]: mean acceptance length "
+    print(f"\nQwen2.5-Coder 0.5B -> 1.5B, k=4, HumanEval[:2] (64-token prompts): mean acceptance length "
           f"{spec['mean_acceptance_length']:.2f}, acceptance rate {spec['acceptance_rate']:.2f}, "
           f"per position {np.round(spec['per_position_acceptance'], 2).tolist()}")
     assert spec["accepted_tokens"] > 0
