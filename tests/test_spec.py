@@ -58,16 +58,21 @@ def make_llm(target, drafters, method, k, *, draft_sampling="argmax", async_sche
                speculative_config=spec)
 
 
-def assert_greedy_lossless(model, prompts, outputs):
+def assert_greedy_lossless(model, prompts, outputs, compiler_options=None):
     """Every output token is the target's argmax given the tokens before it (up to 1e-5 in logit). (Each
     sequence is scored zero-padded to a multiple of 64 tokens: the attention is causal, so the padding changes
-    no logit of the sequence, and one compilation scores many lengths.)"""
+    no logit of the sequence, and one compilation scores many lengths.) `compiler_options` are XLA's for that
+    compilation (a real model's dense forward runs long enough to want LLVM's optimisation, which the suite
+    otherwise leaves out)."""
     decoder = Decoder(model.config)
+    scorers = {}
     for prompt, out in zip(prompts, outputs):
         ids = np.array(prompt + list(out.token_ids), np.int32)
         padded = np.zeros(-(-len(ids) // 64) * 64, np.int32)
         padded[:len(ids)] = ids
-        logits = np.asarray(decoder.score(model.params, padded))[:len(ids)]          # [n, V]
+        if len(padded) not in scorers:
+            scorers[len(padded)] = Decoder.score.lower(decoder, model.params, padded).compile(compiler_options)
+        logits = np.asarray(scorers[len(padded)](model.params, padded))[:len(ids)]          # [n, V]
         rows = np.arange(len(prompt) - 1, len(ids) - 1)
         gap = logits[rows].max(axis=-1) - logits[rows, ids[len(prompt):]]
         assert np.all(gap <= 1e-5), f"non-argmax tokens at output positions {np.nonzero(gap > 1e-5)[0].tolist()}"

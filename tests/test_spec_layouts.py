@@ -34,7 +34,7 @@ def test_qwen_coder_0_5b_drafts_for_1_5b_losslessly():
     prompts = [target.tokenizer.encode(t)[:64] for t in texts]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
     assert all(len(o.token_ids) == 16 for o in outs)
-    assert_greedy_lossless(target, prompts, outs)
+    assert_greedy_lossless(target, prompts, outs, {"xla_backend_optimization_level": 2})
     spec = llm.stats()["spec"]
     print(f"\nQwen2.5-Coder 0.5B -> 1.5B, k=4, HumanEval[:2] (64-token prompts): mean acceptance length "
           f"{spec['mean_acceptance_length']:.2f}, acceptance rate {spec['acceptance_rate']:.2f}, "
