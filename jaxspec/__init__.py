@@ -1,15 +1,41 @@
 """jaxspec: zero-bubble async scheduling with speculative decoding, in JAX/XLA."""
+import importlib
+
 from jaxspec import xla_flags
 
 xla_flags.configure()   # before anything starts JAX's backend
 
-from jaxspec.llm import LLM, generate
-from jaxspec.models.loader import load_model
-from jaxspec.sampling_params import SamplingParams
-from jaxspec.sched.output import RequestOutput
-from jaxspec.spec import SpeculativeConfig
-from jaxspec.structured import StructuredOutputsParams
+# The public names are imported on first use (PEP 562): the command-line tools live inside this package, and
+# they check their arguments before anything imports JAX (a bad flag is answered in a fraction of a second).
+_PUBLIC = {
+    "LLM": "jaxspec.llm",
+    "generate": "jaxspec.llm",
+    "load_model": "jaxspec.models.loader",
+    "SamplingParams": "jaxspec.sampling_params",
+    "RequestOutput": "jaxspec.sched.output",
+    "SpeculativeConfig": "jaxspec.spec",
+    "StructuredOutputsParams": "jaxspec.structured",
+}
 
+
+def __getattr__(name: str):
+    if name in _PUBLIC:
+        value = getattr(importlib.import_module(_PUBLIC[name]), name)
+    elif not name.startswith("__"):   # a submodule (jaxspec.sched, jaxspec.models, ...), as an eager import gave
+        try:
+            value = importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as e:
+            if e.name != f"{__name__}.{name}":
+                raise
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_PUBLIC))
 
 
 def train_eagle3(model, out_dir, **kwargs):

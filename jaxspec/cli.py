@@ -3,19 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
-
-def json_object(text: str) -> dict:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not JSON ({e}): {text!r}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"a JSON object is needed, got {text!r}")
-    return value
+from jaxspec.cli_args import (ArgumentParser, check_engine_config, check_model, check_speculative_config, json_object,
+                              one_line_errors, port)
 
 
 def add_engine_args(p: argparse.ArgumentParser):
@@ -51,12 +43,20 @@ def engine_kwargs(args) -> dict:
                 structured_compile_timeout=args.structured_compile_timeout, logprobs_mode=args.logprobs_mode)
 
 
+def check_engine_args(p: argparse.ArgumentParser, args):
+    """The engine's options, checked as the engine checks them when it starts (EngineConfig, SpeculativeConfig),
+    before anything loads."""
+    check_engine_config(p, engine_kwargs(args))
+    if args.speculative_config is not None:
+        check_speculative_config(p, args.speculative_config)
+
+
 def serve(argv: list[str]):
-    p = argparse.ArgumentParser(prog="jaxspec serve", description="An OpenAI-compatible server over one model.")
+    p = ArgumentParser(prog="jaxspec serve", description="An OpenAI-compatible server over one model.")
     p.add_argument("model", nargs="?", default="smollm2-135m-instruct",
                    help="a preset name, a Hugging Face directory or a GGUF file")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=port, default=8000, help="0: any free port")
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: MODEL)")
     p.add_argument("--api-key", default=os.environ.get("JAXSPEC_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health "
@@ -66,9 +66,25 @@ def serve(argv: list[str]):
                    help="benchmarks: MODEL's shapes with random weights and no tokenizer (token-id prompts only)")
     add_engine_args(p)
     args = p.parse_args(argv)
+    with one_line_errors(p.prog):
+        check_model(p, "MODEL", args.model, random_weights=args.random_weights)
+        check_engine_args(p, args)
+        from jaxspec.listen import LoadingResponder, listen
+        sock = listen(args.host, args.port)   # before loading: a port in use is reported at once
+        print(f"jaxspec serve: listening on {url_of(sock)}; requests are answered 503 until the model is loaded",
+              file=sys.stderr, flush=True)
+        with LoadingResponder(sock):
+            app = load_app(args)
+        run_server(app, sock, args)
 
-    import uvicorn
 
+def url_of(sock) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}"
+
+
+def load_app(args):
+    """The model loaded, its engine started and compiled, and the app that serves it."""
     from jaxspec.llm import LLM
     from jaxspec.serve import build_app
     model = args.model
@@ -77,8 +93,14 @@ def serve(argv: list[str]):
         from jaxspec.models.random import random_model
         model = random_model(args.model, dtype=_resolve_dtype(args.dtype), seed=args.seed)
     llm = LLM(model, **engine_kwargs(args))
-    app = build_app(llm, args.served_model_name or args.model, api_key=args.api_key or None)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return build_app(llm, args.served_model_name or args.model, api_key=args.api_key or None)
+
+
+def run_server(app, sock, args):
+    """Serves `app` on the socket taken before loading, until the server is stopped."""
+    import uvicorn
+    config = uvicorn.Config(app, host=args.host, port=sock.getsockname()[1], log_level=args.log_level)
+    uvicorn.Server(config).run(sockets=[sock])
 
 
 def main(argv: list[str] | None = None):

@@ -1,8 +1,13 @@
 """`LLM` and `generate`: the public entry points, shaped like vLLM's offline API."""
 from __future__ import annotations
 
+import collections
+import dataclasses
+import gc
 import numbers
+import os
 import queue
+import threading
 from typing import Iterator
 
 from tqdm.auto import tqdm
@@ -198,14 +203,80 @@ def _check_text(text: str, where: str):
 def generate(prompts, model=DEFAULT_MODEL, sampling_params=None, *, use_tqdm: bool = True, **llm_kwargs):
     """One call for notebooks: `jaxspec.generate("Hello", max_tokens=32, temperature=0)`.
 
-    Keyword arguments that are SamplingParams fields go to SamplingParams, the rest to LLM.
+    Keyword arguments that are SamplingParams fields go to SamplingParams, the rest to LLM. `model` is an LLM
+    (used as it is), or what LLM takes (a preset name, a path, a Model): the engine built for it is kept and
+    reused by every later call with the same model and LLM options in this process, so only the first call loads
+    and compiles. One engine is kept at a time (MAX_CACHED_ENGINES): a call with another model or other options
+    drops the kept one before building its own, whose memory is then free unless another thread's call still
+    runs on it (on a GPU an engine takes half the free memory for its KV pool). A reused engine continues its
+    random stream: give SamplingParams.seed for outputs that do not depend on earlier calls. Calls from several
+    threads share the engine (its lock serializes the steps; a call that must build one waits while another is
+    built). `generate.cache_clear()` drops the kept engine.
     """
-    import dataclasses
     sp_fields = {f.name for f in dataclasses.fields(SamplingParams)}
     sp_kwargs = {k: llm_kwargs.pop(k) for k in list(llm_kwargs) if k in sp_fields}
     if sampling_params is None:
         sampling_params = SamplingParams(**sp_kwargs)
     elif sp_kwargs:
         raise ValueError(f"give either sampling_params or its fields {sorted(sp_kwargs)}, not both")
-    llm = model if isinstance(model, LLM) else LLM(model, **llm_kwargs)
+    llm = model if isinstance(model, LLM) else _engines.get(model, llm_kwargs)
     return llm.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+
+# Engines `generate` keeps: one, since each holds its weights, KV pool and compiled steps in device memory (on a
+# GPU the KV pool takes half of the memory free when it is built, so a second engine would get half as much).
+MAX_CACHED_ENGINES = 1
+
+
+class _EngineCache:
+    """The LLMs `generate` built, by (model, options); at most `size`, the least recently used dropped first."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._lock = threading.Lock()   # held while building: a second caller waits, then reuses
+        self._llms: collections.OrderedDict = collections.OrderedDict()   # key -> (LLM, the options it was built with)
+
+    def get(self, model, llm_kwargs: dict) -> LLM:
+        key = (_frozen(model), _frozen(llm_kwargs))
+        with self._lock:
+            if key in self._llms:
+                self._llms.move_to_end(key)
+                return self._llms[key][0]
+            self._drop(keep=self.size - 1)   # before building: the dropped engine's memory is free for the new one
+            llm = LLM(model, **llm_kwargs)
+            # The options are kept with the LLM: a key holds the ids of unhashable options (a Model), and the
+            # objects must outlive the key for their ids to stay theirs.
+            self._llms[key] = (llm, (model, llm_kwargs))
+            return llm
+
+    def cache_clear(self):
+        with self._lock:
+            self._drop(keep=0)
+
+    def _drop(self, keep: int):
+        if len(self._llms) <= keep:
+            return
+        while len(self._llms) > keep:
+            self._llms.popitem(last=False)
+        gc.collect()   # an engine's device buffers are freed when it is collected, not at some later collection
+
+
+def _frozen(value):
+    """A hashable stand-in for an option: containers and dataclasses (SpeculativeConfig, a Model) by their
+    contents, strings and numbers as they are, any other object (an array, a tokenizer) by its identity."""
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    if isinstance(value, dict):
+        return tuple(sorted((k, _frozen(v)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return tuple(_frozen(v) for v in value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return (type(value).__name__,) + tuple((f.name, _frozen(getattr(value, f.name)))
+                                               for f in dataclasses.fields(value))
+    if value is None or isinstance(value, (str, bytes, bool, int, float)):
+        return value
+    return ("object", id(value))
+
+
+_engines = _EngineCache(MAX_CACHED_ENGINES)
+generate.cache_clear = _engines.cache_clear

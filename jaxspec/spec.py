@@ -32,7 +32,8 @@ class SpeculativeConfig:
         if self.draft_sampling not in ("argmax", "sample"):
             raise ValueError(f"draft_sampling={self.draft_sampling!r} is invalid; choose 'argmax' or 'sample'")
         if self.method == "ngram":
-            if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            lookup = (self.prompt_lookup_min, self.prompt_lookup_max)
+            if not all(isinstance(n, int) and not isinstance(n, bool) for n in lookup) or not 1 <= lookup[0] <= lookup[1]:
                 raise ValueError(f"prompt_lookup_min={self.prompt_lookup_min} and prompt_lookup_max="
                                  f"{self.prompt_lookup_max} are invalid; need 1 <= min <= max")
             if self.draft_sampling != "argmax":

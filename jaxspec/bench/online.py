@@ -6,6 +6,7 @@ the request, inter-token latency between arriving chunks."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import os
@@ -59,15 +60,20 @@ class LocalBackend:
         self.llm.engine.stop()
 
 
+class ServerError(RuntimeError):
+    """The server answered a request with an error (its status and message) or without the usage it must send."""
+
+
 class HTTPBackend:
     """A running OpenAI-compatible server: streamed /v1/completions."""
 
     def __init__(self, base_url: str, model: str, api_key: str | None):
         import httpx
-        self.url = base_url.rstrip("/") + "/v1/completions"
+        self.base_url = base_url.rstrip("/")
+        self.url = self.base_url + "/v1/completions"
         self.model = model
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.client = httpx.AsyncClient(headers=headers, timeout=None,
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.client = httpx.AsyncClient(headers=self.headers, timeout=None,
                                         limits=httpx.Limits(max_connections=None, max_keepalive_connections=None))
 
     async def send(self, prompt, params) -> Sent:
@@ -79,9 +85,9 @@ class HTTPBackend:
             body["structured_outputs"] = {so.kind: getattr(so, so.kind)}
         t0 = time.perf_counter()
         ttft, times, usage, text, finish = None, [], None, "", None
-        async with self.client.stream("POST", self.url, json=body) as r:
+        async with self._post(body) as r:
             if r.status_code != 200:
-                raise RuntimeError(f"{self.url} answered {r.status_code}: {(await r.aread()).decode()[:300]}")
+                raise ServerError(f"{self.url} answered {r.status_code}: {(await r.aread()).decode()[:300]}")
             async for line in r.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
@@ -95,9 +101,20 @@ class HTTPBackend:
                     text += chunk["choices"][0].get("text") or ""
                     finish = chunk["choices"][0].get("finish_reason") or finish
         if usage is None:
-            raise RuntimeError("the server sent no usage (it needs stream_options.include_usage)")
+            raise ServerError(f"{self.url} sent no usage (it needs stream_options.include_usage)")
         return Sent(usage["prompt_tokens"], usage["completion_tokens"], ttft, times, time.perf_counter() - t0, None,
                     text, finish)
+
+    @contextlib.asynccontextmanager
+    async def _post(self, body: dict):
+        """The streamed response; a server that cannot be reached, or drops the connection, is a ConnectionError
+        that names the URL (not a stack of httpx frames)."""
+        import httpx
+        try:
+            async with self.client.stream("POST", self.url, json=body) as r:
+                yield r
+        except httpx.TransportError as e:
+            raise ConnectionError(f"{self.url}: {type(e).__name__}: {e or 'no answer'}") from e
 
     def close(self):
         pass
@@ -169,6 +186,17 @@ def run_online(backend, sessions: list[list[tuple]], args, label: str) -> dict:
     if all(s.token_ids is not None for s in sent):
         res["output_digest"] = output_digest([s.token_ids for s in sent])
     return res
+
+
+def check_reachable(backend: HTTPBackend, timeout_s: float = 10.0):
+    """A ConnectionError at once if nothing answers at the server's address (before a tokenizer loads and the
+    requests are built); any HTTP answer will do, the requests themselves say what the server thinks of them."""
+    import httpx
+    try:
+        httpx.get(backend.base_url + "/v1/models", headers=backend.headers, timeout=timeout_s)
+    except httpx.TransportError as e:
+        raise ConnectionError(f"--base-url {backend.base_url}: no server answers there ({type(e).__name__}: "
+                              f"{e or 'no answer'}); start one with `jaxspec serve MODEL` or fix the URL") from None
 
 
 def http_backend(args) -> HTTPBackend:

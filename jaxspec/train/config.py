@@ -1,0 +1,40 @@
+"""`TrainConfig`: an EAGLE-3 training run's settings, checked once. Apart from the training code (which imports
+JAX) so that `jaxspec-train-eagle` checks its flags with it before loading anything."""
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    steps: int = 2000
+    batch_size: int = 8
+    learning_rate: float = 3e-4
+    warmup_steps: int = 100
+    weight_decay: float = 0.0
+    grad_clip: float = 0.5
+    ttt_steps: int = 7              # draft steps unrolled per position (the training-time test)
+    step_decay: float = 0.8         # weight of step j's loss: step_decay ** j
+    draft_vocab_size: int = 32000
+    save_every: int = 500           # orbax checkpoint interval (steps); the last step is always saved
+    seed: int = 0
+    # Run the target over every training example once and keep its outputs in device memory (never on disk):
+    # for small datasets trained for many epochs (CPU runs); off, the target runs inside every training step.
+    cache_target_outputs: bool = False
+    # Wall-clock budget of the training loop in seconds (set-up and the held-out estimate excluded): after the
+    # first steps have been timed, `steps` is cut to what fits and the schedule decays over the cut count.
+    max_seconds: float | None = None
+    # The head's matmuls in training: "auto" is bfloat16 on a GPU (f32 master weights and optimizer state) and
+    # float32 elsewhere.
+    compute_dtype: str = "auto"
+
+    def __post_init__(self):
+        for name in ("steps", "batch_size", "ttt_steps", "draft_vocab_size", "save_every"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"{name}={getattr(self, name)!r} is invalid; it must be >= 1")
+        if int(self.warmup_steps) < 0:
+            raise ValueError(f"warmup_steps={self.warmup_steps!r} is invalid; it must be >= 0")
+        if not 0 < self.learning_rate < 1:
+            raise ValueError(f"learning_rate={self.learning_rate!r} is invalid; use a value in (0, 1)")
+        if self.max_seconds is not None and not self.max_seconds > 0:
+            raise ValueError(f"max_seconds={self.max_seconds!r} is invalid; use a positive number or None")
