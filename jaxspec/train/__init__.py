@@ -9,8 +9,12 @@ written in the published HF layout (config.json + model.safetensors), loadable w
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
 
 from jaxspec.train.config import TrainConfig
+
+if TYPE_CHECKING:
+    from jaxspec.train.eagle3 import TrainResult
 
 # The rest is imported on first use (PEP 562): `jaxspec-train-eagle` (jaxspec.train.cli) checks its flags before
 # anything imports JAX.
