@@ -24,6 +24,20 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 import pytest  # noqa: E402
 
 
+def _dequantize_with_optimisation():
+    """Real models' GGUF tensors are dequantized by small jitted programs (jaxspec.models.dequant) that run once
+    per tensor over hundreds of megabytes: without LLVM's optimisation (above) a 0.5B model loads in ~1.7x the
+    time. They are few and compile in a moment, so they keep it."""
+    import jax
+    from jaxspec.models import dequant
+    dequant._dequantize_blocks = jax.jit(dequant._dequantize_blocks.__wrapped__, static_argnums=(1, 2),
+                                         compiler_options={"xla_backend_optimization_level": 2})
+
+
+if "xla_backend_optimization_level=0" in os.environ["XLA_FLAGS"]:
+    _dequantize_with_optimisation()
+
+
 def optimize_steps(llm):
     """Compiles `llm`'s steps with LLVM's optimisation, which the suite otherwise leaves out (above): for a real
     model, whose steps run many times and cost more to run than to compile. Returns llm."""
