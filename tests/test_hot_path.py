@@ -276,6 +276,9 @@ from jaxspec.nn.ops import use_compile_cache
 events = []
 jax.monitoring.register_event_listener(lambda event, **kw: events.append(event))
 enabled = use_compile_cache(sys.argv[1], min_compile_seconds=0)
+if sys.argv[2:] == ["enabled-only"]:   # whether the cache is on, without an engine to compile
+    print(enabled, 0, 0, [])
+    sys.exit()
 llm = LLM(random_model(3), max_num_seqs=2, max_model_len=64, max_num_batched_tokens=16, warmup=False)
 print(enabled, events.count("/jax/compilation_cache/cache_hits"), events.count("/jax/compilation_cache/cache_misses"),
       llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)[0].token_ids)
@@ -290,20 +293,21 @@ def test_a_second_process_loads_the_steps_the_first_compiled(tmp_path):
     import subprocess
     import sys
 
-    def probe(*env_pairs):
+    def probe(*env_pairs, enabled_only=False):
         env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_PERSISTENT_CACHE")
                and k != "JAX_COMPILATION_CACHE_DIR"}   # the suite's own cache (conftest) is not the one tested
         env.update(PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]),
                    **dict(env_pairs))
-        out = subprocess.run([sys.executable, "-c", COMPILE_CACHE_PROBE, str(tmp_path / "cache")], env=env,
+        args = [str(tmp_path / "cache")] + ["enabled-only"] * enabled_only
+        out = subprocess.run([sys.executable, "-c", COMPILE_CACHE_PROBE, *args], env=env,
                              capture_output=True, text=True, timeout=300)
         assert out.returncode == 0, out.stderr[-2000:]
         enabled, hits, misses, tokens = out.stdout.strip().splitlines()[-1].split(" ", 3)
         return enabled == "True", int(hits), int(misses), tokens
 
-    assert probe(("JAXSPEC_COMPILE_CACHE", "0"))[0] is False and not (tmp_path / "cache").exists()
+    assert probe(("JAXSPEC_COMPILE_CACHE", "0"), enabled_only=True)[0] is False and not (tmp_path / "cache").exists()
     enabled, hits, misses, tokens = probe()
     assert enabled and hits == 0 and misses >= 2 and len(os.listdir(tmp_path / "cache")) >= 2
     enabled, hits_again, misses_again, tokens_again = probe()
     assert enabled and hits_again >= misses and misses_again == 0 and tokens_again == tokens
-    assert probe(("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "mine")))[0] is False
+    assert probe(("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "mine")), enabled_only=True)[0] is False
