@@ -34,7 +34,7 @@ CODE_PROMPTS = ['def add(a, b):\n    """Return a + b."""\n', 'import os\n\ndef h
 
 @pytest.fixture(scope="module")
 def regenerating_llm(target):
-    return LLM(target, max_num_seqs=48, max_model_len=96, max_num_batched_tokens=256)
+    return LLM(target, max_num_seqs=48, max_model_len=96, max_num_batched_tokens=256, warmup=False)
 
 
 @pytest.fixture(scope="module")
