@@ -3,11 +3,71 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
 from jaxspec.cli_args import (ArgumentParser, check_engine_config, check_model, check_speculative_config, json_object,
                               one_line_errors, port)
+
+
+def string_list(text: str) -> tuple[str, ...]:
+    """vLLM's form, a JSON list of strings ('["https://a.example", "https://b.example"]'), or a comma-separated
+    list."""
+    if text.lstrip().startswith("["):
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise argparse.ArgumentTypeError(f"not a JSON list ({e}): {text!r}") from None
+        if not all(isinstance(v, str) for v in value):
+            raise argparse.ArgumentTypeError(f"a list of strings is needed, got {text!r}")
+        return tuple(value)
+    return tuple(v.strip() for v in text.split(",") if v.strip())
+
+
+def _number(text: str, unit: str, allow_zero: bool) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")   # refused below, as NaN and inf are
+    if not (0 <= value < float("inf")) or (value == 0 and not allow_zero):
+        raise argparse.ArgumentTypeError(f"a number of {unit} {'>=' if allow_zero else '>'} 0 is needed, got {text!r}")
+    return value
+
+
+def seconds(text: str) -> float:
+    return _number(text, "seconds", allow_zero=True)
+
+
+def gibibytes(text: str) -> float:
+    return _number(text, "GiB", allow_zero=False)
+
+
+def add_http_args(p: argparse.ArgumentParser):
+    """The server's HTTP options (vLLM's flag names): CORS, /metrics' protection, shutdown."""
+    p.add_argument("--allowed-origins", type=string_list, default=(),
+                   help="CORS: origins whose pages may call the server from a browser, as a JSON list or comma-"
+                        "separated ('*': any); default none (no CORS headers)")
+    p.add_argument("--allowed-methods", type=string_list, default=("*",),
+                   help="CORS: the HTTP methods allowed (default '*')")
+    p.add_argument("--allowed-headers", type=string_list, default=("*",),
+                   help="CORS: the request headers allowed (default '*')")
+    p.add_argument("--allow-credentials", action="store_true",
+                   help="CORS: let browsers send credentials (cookies, HTTP authentication) with cross-origin "
+                        "requests")
+    p.add_argument("--protect-metrics", action="store_true",
+                   help="/metrics requires the API key too (by default it is open, as vLLM's is)")
+    p.add_argument("--shutdown-timeout", type=seconds, default=0.0,
+                   help="on SIGTERM/SIGINT, seconds running requests may still run before they are aborted (new "
+                        "requests are refused at once); default 0: abort them at once")
+
+
+def http_options(args):
+    from jaxspec.serve.http import HTTPOptions
+    return HTTPOptions(api_key=args.api_key or None, protect_metrics=args.protect_metrics,
+                       allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
+                       allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
+                       shutdown_timeout=args.shutdown_timeout)
 
 
 def add_engine_args(p: argparse.ArgumentParser):
@@ -27,7 +87,11 @@ def add_engine_args(p: argparse.ArgumentParser):
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="devices to split the model over")
     p.add_argument("--structured-compile-timeout", type=float, default=30.0,
                    help="seconds one request's structured-outputs constraint (JSON schema, regex, choice) may take "
-                        "to compile before the request is refused")
+                        "to compile before the request is refused (and its compile stopped); also how long it may "
+                        "wait for a compile process while others' constraints hold them all (then 503)")
+    p.add_argument("--structured-compile-memory", type=gibibytes, default=2.0,
+                   help="GiB of memory one constraint's compile (a process of its own) may use before it is stopped "
+                        "and the request refused")
     p.add_argument("--logprobs-mode", default="raw_logprobs", choices=["raw_logprobs", "processed_logprobs"],
                    help="what logprobs return: the model's log-softmax (raw) or the distribution sampled from "
                         "(processed: after penalties, temperature, top-k/top-p/min-p)")
@@ -40,7 +104,8 @@ def engine_kwargs(args) -> dict:
                 async_scheduling=args.async_scheduling, enable_prefix_caching=args.enable_prefix_caching,
                 speculative_config=args.speculative_config, seed=args.seed,
                 tensor_parallel_size=args.tensor_parallel_size,
-                structured_compile_timeout=args.structured_compile_timeout, logprobs_mode=args.logprobs_mode)
+                structured_compile_timeout=args.structured_compile_timeout,
+                structured_compile_memory=args.structured_compile_memory, logprobs_mode=args.logprobs_mode)
 
 
 def check_engine_args(p: argparse.ArgumentParser, args):
@@ -59,11 +124,12 @@ def serve(argv: list[str]):
     p.add_argument("--port", type=port, default=8000, help="0: any free port")
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: MODEL)")
     p.add_argument("--api-key", default=os.environ.get("JAXSPEC_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on every endpoint but /health "
-                        "(default: $JAXSPEC_API_KEY)")
+                   help="require 'Authorization: Bearer KEY' on every endpoint but /health, /version and /metrics "
+                        "(see --protect-metrics) (default: $JAXSPEC_API_KEY)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--random-weights", action="store_true",
                    help="benchmarks: MODEL's shapes with random weights and no tokenizer (token-id prompts only)")
+    add_http_args(p)
     add_engine_args(p)
     args = p.parse_args(argv)
     with one_line_errors(p.prog):
@@ -93,14 +159,14 @@ def load_app(args):
         from jaxspec.models.random import random_model
         model = random_model(args.model, dtype=_resolve_dtype(args.dtype), seed=args.seed)
     llm = LLM(model, **engine_kwargs(args))
-    return build_app(llm, args.served_model_name or args.model, api_key=args.api_key or None)
+    return build_app(llm, args.served_model_name or args.model, http_options=http_options(args))
 
 
 def run_server(app, sock, args):
-    """Serves `app` on the socket taken before loading, until the server is stopped."""
-    import uvicorn
-    config = uvicorn.Config(app, host=args.host, port=sock.getsockname()[1], log_level=args.log_level)
-    uvicorn.Server(config).run(sockets=[sock])
+    """Serves `app` on the socket taken before loading, until the server is stopped (jaxspec.serve.lifecycle)."""
+    from jaxspec.serve.lifecycle import run
+    run(app, host=args.host, port=sock.getsockname()[1], log_level=args.log_level,
+        shutdown_timeout=args.shutdown_timeout, sockets=[sock])
 
 
 def main(argv: list[str] | None = None):

@@ -40,6 +40,7 @@ class LLM:
                  async_scheduling: bool = True, speculative_config=None, enable_prefix_caching: bool = True,
                  warmup: bool = True, seed: int = 0, attention: str = "auto", unroll_layers: bool | None = None,
                  tensor_parallel_size: int = 1, structured_compile_timeout: float = 30.0,
+                 structured_compile_memory: float = 2.0,
                  delta_rule: str = "auto", logprobs_mode: str = "raw_logprobs"):
         from jaxspec.models.loader import load_model
 
@@ -50,7 +51,8 @@ class LLM:
             block_size=block_size, num_kv_blocks=num_kv_blocks, kv_memory_fraction=kv_memory_fraction,
             async_scheduling=async_scheduling, enable_prefix_caching=enable_prefix_caching, warmup=warmup, seed=seed,
             attention=attention, unroll_layers=unroll_layers, tensor_parallel_size=tensor_parallel_size,
-            structured_compile_timeout=structured_compile_timeout, delta_rule=delta_rule,
+            structured_compile_timeout=structured_compile_timeout,
+            structured_compile_memory=structured_compile_memory, delta_rule=delta_rule,
             logprobs_mode=logprobs_mode),
             speculative_config)
         self.speculative_config = self.engine.speculative_config

@@ -1,11 +1,15 @@
 """`jaxspec serve` as a user runs it: a subprocess on 127.0.0.1 serving SmolLM2-135M (float32, CPU), driven
-with the official `openai` client and raw HTTP."""
+with the official `openai` client and raw HTTP. The last test shuts the server down (SIGTERM)."""
 import concurrent.futures
+import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 import time
+
+import re
 
 import httpx
 import openai
@@ -15,6 +19,9 @@ from prometheus_client.parser import text_string_to_metric_families
 MODEL = "smollm2-135m-instruct"
 API_KEY = "test-key"
 MAX_MODEL_LEN = 256
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+ORIGIN = "https://allowed.example"   # the one origin CORS lets in
+SHUTDOWN_TIMEOUT = 1.0               # seconds running requests get after SIGTERM
 
 
 def free_port() -> int:
@@ -24,13 +31,15 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def server_process(tmp_path_factory):
+    """(the server's Popen, its base URL)."""
     port = free_port()
     log = tmp_path_factory.mktemp("serve") / "server.log"
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAXSPEC_API_KEY": API_KEY}
     cmd = [sys.executable, "-m", "jaxspec.cli", "serve", MODEL, "--port", str(port), "--dtype", "float32",
            "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "8", "--max-num-batched-tokens", "64",
-           "--log-level", "warning"]
+           "--log-level", "warning", "--allowed-origins", json.dumps([ORIGIN]),
+           "--shutdown-timeout", str(SHUTDOWN_TIMEOUT)]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     base = f"http://127.0.0.1:{port}"
@@ -47,9 +56,15 @@ def server(tmp_path_factory):
             proc.kill()
             pytest.fail(f"the server did not come up:\n{log.read_text()[-3000:]}")
         time.sleep(1)
-    yield base
-    proc.terminate()
-    proc.wait(timeout=60)
+    yield proc, base
+    if proc.poll() is None:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def server(server_process):
+    return server_process[1]
 
 
 @pytest.fixture(scope="module")
@@ -58,14 +73,38 @@ def client(server):
 
 
 def metrics(server) -> list:
-    """/metrics's samples, parsed by prometheus_client."""
-    text = httpx.get(f"{server}/metrics", headers={"Authorization": f"Bearer {API_KEY}"}).text
+    """/metrics's samples, parsed by prometheus_client (open without the API key, as vLLM's /metrics is)."""
+    text = httpx.get(f"{server}/metrics").text
     return [s for fam in text_string_to_metric_families(text) for s in fam.samples]
 
 
 def value(samples, name: str, **labels) -> float:
     """The sum of the samples called `name` whose labels include `labels`."""
     return sum(s.value for s in samples if s.name == name and labels.items() <= s.labels.items())
+
+
+def wait_for(condition, seconds: float, what: str):
+    deadline = time.time() + seconds
+    while not condition():
+        if time.time() > deadline:
+            pytest.fail(f"{what}: not within {seconds} s")
+        time.sleep(0.1)
+
+
+def resident_bytes_with_children(pid: int) -> int:
+    """RSS of a process and its children (the server and its compile processes), from /proc."""
+    def rss(p):
+        with open(f"/proc/{p}/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    children = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:   # "pid (name) state ppid ..."
+                    children.append(int(entry))
+        except (OSError, ValueError):   # gone meanwhile
+            continue
+    return rss(pid) + sum(rss(c) for c in children)
 
 
 def test_models_and_completions(client):
@@ -142,6 +181,35 @@ def test_a_client_that_disconnects_frees_its_blocks(server):
     assert value(m, "jaxspec:request_success_total", finished_reason="abort") == aborted + 1
 
 
+def test_a_non_streamed_client_that_disconnects_is_aborted_within_a_step(server):
+    """A non-streamed request keeps producing tokens: its client going away is noticed all the same (issue #34:
+    it was checked only after 0.5 s without output, so it ran to max_tokens). Its request is aborted within the
+    engine steps already under way, counted as an abort, and its blocks are freed."""
+    before = metrics(server)
+    body = json.dumps({"model": MODEL, "prompt": "Tell me a long story.", "max_tokens": 200, "temperature": 0,
+                       "ignore_eos": True}).encode()
+    host, port = server.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as conn:
+        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                     b"Authorization: Bearer " + API_KEY.encode() + b"\r\nContent-Length: " +
+                     str(len(body)).encode() + b"\r\n\r\n" + body)
+        steps = lambda: value(metrics(server), "jaxspec:engine_steps_total")   # noqa: E731
+        first = steps()
+        wait_for(lambda: value(metrics(server), "jaxspec:num_requests_running") == 1 and steps() > first + 2, 60,
+                 "the request producing tokens")
+        at_close = steps()
+    wait_for(lambda: value(metrics(server), "jaxspec:num_requests_running") == 0, 30, "the request aborted")
+    after = metrics(server)
+    assert value(after, "jaxspec:kv_cache_usage_perc") == 0
+    assert value(after, "jaxspec:request_success_total", finished_reason="abort") == value(
+        before, "jaxspec:request_success_total", finished_reason="abort") + 1
+    # the step in flight when the client left, the one that was being dispatched, and the one that applies the
+    # abort; then nothing runs
+    assert value(after, "jaxspec:engine_steps_total") - at_close <= 3
+    generated = value(after, "jaxspec:generation_tokens_total") - value(before, "jaxspec:generation_tokens_total")
+    assert generated < 200
+
+
 def test_bad_requests_get_400_and_the_server_keeps_serving(client, server):
     headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
     r = httpx.post(f"{server}/v1/completions", content=b"{not json", headers=headers)
@@ -159,24 +227,81 @@ def test_bad_requests_get_400_and_the_server_keeps_serving(client, server):
     assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2).choices[0].text is not None
 
 
-def test_api_key_is_required_except_for_health(server):
+def test_api_key_is_required_except_for_health_version_and_metrics(server):
+    """As vLLM: /health, /version and /metrics (Prometheus scrapes without the key) are open; the API and the
+    tokenizer endpoints need the key."""
+    import jaxspec
     assert httpx.get(f"{server}/health").status_code == 200
+    assert httpx.head(f"{server}/health").status_code == 200
+    assert httpx.get(f"{server}/version").json() == {"version": jaxspec.__version__}
+    r = httpx.get(f"{server}/metrics")
+    assert r.status_code == 200 and "jaxspec:num_requests_running" in r.text
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
         r = httpx.get(f"{server}/v1/models", headers=headers)
         assert r.status_code == 401 and r.json()["error"]["type"] == "AuthenticationError"
+        assert httpx.post(f"{server}/tokenize", json={"prompt": "hi"}, headers=headers).status_code == 401
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{server}/v1", api_key="wrong", max_retries=0).models.list()
+
+
+# SmolLM2's tokenizer, as transformers gives it (hf_tokenizer_from_gguf(...).encode / apply_chat_template /
+# convert_ids_to_tokens): the reference for /tokenize, written down because building it costs seconds.
+PARIS_IS = ([38634, 314], ["Paris", "\u0120is"])   # \u0120: byte-level BPE's space
+HI_CHAT = dict(length=27, tail=[198, 26843, 2, 198])              # "...<|im_start|>user\nHi<|im_end|>\n"
+GENERATION_PROMPT = [1, 520, 9531, 198]                            # "<|im_start|>assistant\n"
+
+
+def test_model_retrieval_tokenize_and_detokenize_as_in_vllm(client, server):
+    """/v1/models/{id} (404 for another model), and vLLM's /tokenize (a prompt or a conversation) and /detokenize,
+    against transformers' tokenizer of the same GGUF; fields they do not take are refused by name."""
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.models.retrieve("gpt-4")
+    post = lambda path, body: httpx.post(f"{server}{path}", json=body, headers=AUTH)   # noqa: E731
+    r = post("/tokenize", {"model": MODEL, "prompt": "Paris is", "return_token_strs": True}).json()
+    assert r == {"count": 2, "max_model_len": MAX_MODEL_LEN, "tokens": PARIS_IS[0], "token_strs": PARIS_IS[1]}
+    messages = [{"role": "user", "content": "Hi"}]
+    bare = post("/tokenize", {"messages": messages, "add_generation_prompt": False}).json()
+    assert bare["count"] == HI_CHAT["length"] and bare["tokens"][-4:] == HI_CHAT["tail"]
+    prompted = post("/tokenize", {"messages": messages}).json()   # vLLM's default: the generation prompt added
+    assert prompted["tokens"] == bare["tokens"] + GENERATION_PROMPT and prompted["token_strs"] is None
+    assert post("/detokenize", {"tokens": GENERATION_PROMPT}).json() == {"prompt": "<|im_start|>assistant\n"}
+    for path, body, named in [("/tokenize", {"prompt": "hi", "echo": True}, "echo"),
+                              ("/detokenize", {"tokens": [10**9]}, "outside the vocabulary")]:
+        r = post(path, body)
+        assert r.status_code == 400 and named in r.json()["error"]["message"]
+    assert post("/tokenize", {"model": "gpt-4", "prompt": "hi"}).status_code == 404
+
+
+def test_cors_and_request_ids(server):
+    """--allowed-origins lets that origin's pages read responses (a 401 too) and pass the preflight; another origin
+    gets no CORS header. X-Request-Id is echoed (or made up) and names the completion, as in vLLM."""
+    r = httpx.get(f"{server}/v1/models", headers={"Origin": ORIGIN, "X-Request-Id": "req-42"})
+    assert r.status_code == 401 and r.headers["access-control-allow-origin"] == ORIGIN
+    assert r.headers["x-request-id"] == "req-42"
+    r = httpx.get(f"{server}/v1/models", headers={"Origin": "https://other.example", **AUTH})
+    assert r.status_code == 200 and "access-control-allow-origin" not in r.headers and r.headers["x-request-id"]
+    r = httpx.options(f"{server}/v1/chat/completions", headers={
+        "Origin": ORIGIN, "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization, content-type"})
+    assert r.status_code == 200 and "POST" in r.headers["access-control-allow-methods"]
+    r = httpx.post(f"{server}/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 1},
+                   headers={**AUTH, "X-Request-Id": "req-43"})
+    assert r.headers["x-request-id"] == "req-43" and r.json()["id"] == "cmpl-req-43"
 
 
 def test_metrics_count_requests_tokens_and_cache_hits(client, server):
     before = metrics(server)
     prompt = "A shared system prompt that is long enough to fill a whole KV block or two. " * 3
-    for suffix in ("First?", "Second?"):
-        client.completions.create(model=MODEL, prompt=prompt + suffix, max_tokens=4, temperature=0)
+    prompt_tokens = 0
+    for suffix, n in (("First?", 1), ("Second?", 1), ("Third?", 3)):
+        out = client.completions.create(model=MODEL, prompt=prompt + suffix, max_tokens=4 // n, temperature=0, n=n)
+        prompt_tokens += out.usage.prompt_tokens
     after = metrics(server)
-    for name, grew_by in [("jaxspec:request_success_total", 2), ("jaxspec:generation_tokens_total", 8),
-                          ("jaxspec:time_to_first_token_seconds_count", 2),
-                          ("jaxspec:e2e_request_latency_seconds_count", 2)]:
+    for name, grew_by in [("jaxspec:request_success_total", 5), ("jaxspec:generation_tokens_total", 11),
+                          ("jaxspec:prompt_tokens_total", prompt_tokens),   # each prompt once, whatever its n
+                          ("jaxspec:time_to_first_token_seconds_count", 5),
+                          ("jaxspec:e2e_request_latency_seconds_count", 5)]:
         assert value(after, name) == value(before, name) + grew_by, name
     hits = value(after, "jaxspec:prefix_cache_hits_total") - value(before, "jaxspec:prefix_cache_hits_total")
     assert hits >= 16     # the second request reuses the first one's blocks of the shared part
@@ -229,6 +354,27 @@ def test_a_schema_that_cannot_compile_is_a_400_and_the_server_keeps_serving(clie
     assert client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2).choices[0].message.content
 
 
+def test_exploding_constraints_are_refused_at_once_and_others_still_compile(client, server_process):
+    """Issue #34: `(a|b){1,100000}` was refused only after 30 s, and its compile then ran on, growing the idle
+    server from 4.3 to 11.2 GB. Now it is refused before compiling, with what is wrong (a JSON schema whose counts
+    explode too), the server's memory stays put, and a plain constraint is served right after."""
+    proc, _ = server_process
+    rss = resident_bytes_with_children(proc.pid)
+    messages = [{"role": "user", "content": "Say something."}]
+    long_string = {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "string",
+                                                                                "maxLength": 100000}}}
+    for kwargs, named in [(dict(extra_body={"structured_outputs": {"regex": "(a|b){1,100000}"}}), "{1,100000}"),
+                          (dict(response_format=long_string), "maxLength")]:
+        start = time.monotonic()
+        with pytest.raises(openai.BadRequestError, match=re.escape(named)):
+            client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, **kwargs)
+        assert time.monotonic() - start < 5
+    choice = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0,
+                                            extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    assert choice.choices[0].message.content in ("yes", "no")
+    assert resident_bytes_with_children(proc.pid) < rss + 300 * 2**20
+
+
 def test_masked_processed_logprobs_are_written_as_json_numbers():
     """Under --logprobs-mode processed_logprobs a top alternative the sampling masked (top_logprobs beyond top-k)
     has logprob -inf, which JSON has no number for (the server's JSON responses refuse it): it is written as vLLM's
@@ -242,3 +388,65 @@ def test_masked_processed_logprobs_are_written_as_json_numbers():
     json.dumps([chat, completion], allow_nan=False)
     assert [t["logprob"] for t in chat["content"][0]["top_logprobs"]] == [-0.25, -9999.0]
     assert completion["top_logprobs"] == [{"3": -0.25, "5": -9999.0}] and completion["token_logprobs"] == [-0.25]
+
+
+def test_drain_lets_running_requests_finish_within_the_grace_period_then_aborts_them():
+    """Server.drain (what SIGTERM runs): a request that ends within the grace period ends on its own; one still
+    running after it is aborted; new requests are refused from the start."""
+    import asyncio
+    import types
+
+    from jaxspec.serve.app import Server
+
+    class Job:
+        def __init__(self, server, runs_for: float):
+            self.server, self.stopped = server, False
+            asyncio.get_running_loop().call_later(runs_for, server.jobs.discard, self)
+
+        def stop(self):
+            self.stopped = True
+            self.server.jobs.discard(self)
+
+    async def drain(grace: float):
+        compiles = []
+        server = types.SimpleNamespace(jobs=set(), draining=False, accepting=True, llm=types.SimpleNamespace(
+            engine=types.SimpleNamespace(intake=types.SimpleNamespace(stop_compiling=lambda: compiles.append(1)))))
+        server._wait_for_jobs = lambda until: Server._wait_for_jobs(server, until)
+        quick, slow = Job(server, 0.2), Job(server, 60)
+        server.jobs |= {quick, slow}
+        await Server.drain(server, grace)
+        return quick.stopped, slow.stopped, server.draining, server.accepting, compiles
+
+    assert asyncio.run(drain(1.0)) == (False, True, True, False, [1])
+    assert asyncio.run(drain(0.0)) == (True, True, True, False, [1])
+
+
+def test_sigterm_aborts_running_requests_and_exits_within_the_grace_period(server_process):
+    """Issue #34: after SIGTERM the server stayed up for as long as a running request had tokens left to make
+    (90 s). Now the listening socket closes at once, running requests get --shutdown-timeout seconds, then end with
+    finish_reason "abort" (their responses still go out), and the process exits. Last in this file: it ends the
+    module's server."""
+    proc, server = server_process
+    body = {"model": MODEL, "prompt": "Tell me a long story.", "max_tokens": MAX_MODEL_LEN - 16, "temperature": 0,
+            "ignore_eos": True}
+
+    def whole():
+        return httpx.post(f"{server}/v1/completions", json=body, headers=AUTH, timeout=300).json()
+
+    def streamed():
+        with httpx.stream("POST", f"{server}/v1/completions", json={**body, "stream": True}, headers=AUTH,
+                          timeout=300) as r:
+            return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        running = [pool.submit(whole), pool.submit(whole), pool.submit(streamed)]
+        wait_for(lambda: value(metrics(server), "jaxspec:num_requests_running") == 3, 60, "three requests running")
+        start = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=SHUTDOWN_TIMEOUT + 30)
+        exited_after = time.monotonic() - start
+        first, second, stream = [f.result(timeout=10) for f in running]
+    # the grace period, a step to apply the aborts, the engine's stop and the interpreter's exit
+    assert exited_after < SHUTDOWN_TIMEOUT + 10
+    assert [r["choices"][0]["finish_reason"] for r in (first, second, stream[-1])] == ["abort"] * 3
+    assert 0 < first["usage"]["completion_tokens"] < body["max_tokens"]

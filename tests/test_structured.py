@@ -7,8 +7,10 @@ reference model (tests/reference.py) with outlines-core's own automaton queries,
 Every engine shares one shape configuration and one token bucket (few compilations, which the persistent
 cache of conftest shares between async and sync engines).
 """
+import concurrent.futures
 import json
 import re
+import time
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +23,7 @@ from eagle_heads import write_eagle3_head
 from reference import EagleReference, Greedy, greedy_spec_counts, target_forward
 from test_spec_sampling import chi2_rejects
 from jaxspec import LLM, SamplingParams, StructuredOutputsParams
+from jaxspec.structured.compile_pool import CompileUnavailable
 from jaxspec.structured.compiler import GrammarCompiler, token_bytes
 from jaxspec.structured.table import GrammarTables
 
@@ -327,6 +330,43 @@ def test_bad_constraints_are_refused_with_what_is_valid(compiler):
     slow = GrammarCompiler(compiler.tokenizer, VOCAB, timeout=0.01)
     with pytest.raises(ValueError, match="took longer than 0.01 s"):
         slow.compile(StructuredOutputsParams(json_object=True))
+    assert slow.pool.pids == []   # its compile process was killed: nothing runs on after the refusal
+    slow.close()
+
+
+def test_compiles_are_bounded_and_explosions_refused_before_compiling(tokenizer):
+    """Issue #34: a compile past its budget ran on in the background with unbounded memory. Counts that explode
+    are refused before any compile (no process even starts), a compile past its memory budget is stopped with a
+    message that says so, and the next constraint compiles as usual."""
+    bounded = GrammarCompiler(tokenizer, VOCAB, timeout=60, memory_gb=0.25)
+    for regex, named in [("(a|b){1,100000}", "{1,100000}"), ("((ab){1,1000}){1,1000}", "{1,1000}")]:
+        start = time.monotonic()
+        with pytest.raises(ValueError, match=re.escape(named)):
+            bounded.compile(StructuredOutputsParams(regex=regex))
+        assert time.monotonic() - start < 1
+    assert bounded.pool.pids == []
+    with pytest.raises(ValueError, match="needs more memory to compile than the 0.25 GiB"):
+        bounded.compile(StructuredOutputsParams(regex=".{0,1000}"))   # ~16M edges: gigabytes while compiling
+    assert bounded.pool.pids == []   # the process that ran out is gone, with its memory
+    assert bounded.compile(CHOICE).num_states > 1
+    bounded.close()
+
+
+def test_a_full_compile_pool_answers_busy_and_closing_it_stops_what_runs(tokenizer):
+    """Others' slow constraints hold every compile process: a new constraint waits its time, then is told the
+    server is busy (not that it is bad). Closing the pool (shutdown) stops the compile under way."""
+    one = GrammarCompiler(tokenizer, VOCAB, timeout=60, workers=1)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        slow = pool.submit(one.compile, StructuredOutputsParams(regex=".{0,2000}"))   # seconds to compile
+        deadline = time.monotonic() + 30
+        while not one.pool.pids and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with pytest.raises(CompileUnavailable, match="server is busy"):
+            one.pool.compile("choice", "(yes|no)\uffff", timeout=5, wait=0.2)
+        one.close()
+        with pytest.raises(CompileUnavailable, match="shutting down"):
+            slow.result(timeout=10)
+    assert one.pool.pids == []
 
 
 def test_automaton_walks_and_the_table_grows_only_when_it_must(compiler, tokenizer):

@@ -29,6 +29,7 @@ class EngineConfig:
     delta_rule: str = "auto"     # Gated DeltaNet recurrence: "reference" (JAX scan), "pallas" (kernel), "auto" (GPU: kernel)
     tensor_parallel_size: int = 1     # devices the model is split over (nn/sharding.py)
     structured_compile_timeout: float = 30.0   # seconds one request's structured-outputs constraint may compile
+    structured_compile_memory: float = 2.0     # GiB of memory one constraint's compile (its process) may use
     logprobs_mode: str = "raw_logprobs"   # what `logprobs` returns: "raw_logprobs" or "processed_logprobs" (vLLM's)
 
     def validate(self):
@@ -44,6 +45,9 @@ class EngineConfig:
         if not (isinstance(self.structured_compile_timeout, (int, float)) and self.structured_compile_timeout > 0):
             raise ValueError(f"structured_compile_timeout={self.structured_compile_timeout!r} is invalid; it must be "
                              "a number of seconds > 0")
+        if not (isinstance(self.structured_compile_memory, (int, float)) and self.structured_compile_memory > 0):
+            raise ValueError(f"structured_compile_memory={self.structured_compile_memory!r} is invalid; it must be "
+                             "a number of GiB > 0")
         if self.attention not in ("auto", "pallas", "reference"):
             raise ValueError(f"attention={self.attention!r} is invalid; choose 'auto', 'pallas' or 'reference'")
         if self.delta_rule not in ("auto", "pallas", "reference"):

@@ -88,7 +88,8 @@ class Engine:
         self.intake = Intake(vocab_size=mc.vocab_size, eos_token_ids=eos, tokenizer=self.tokenizer,
                              step_config=self.step_config, num_kv_blocks=num_blocks,
                              draft_lookahead=self.scheduler.draft_lookahead, share_prompt_blocks=caching,
-                             compile_timeout=config.structured_compile_timeout, seed=config.seed)
+                             compile_timeout=config.structured_compile_timeout,
+                             compile_memory=config.structured_compile_memory, seed=config.seed)
         # The device table of the automata running requests use (structured outputs).
         self.grammar_tables = GrammarTables(mc.vocab_size, self.runner.input_sharding)
         # Adaptive speculation: the host picks each step's k (jaxspec.sched.adaptive); None: always K.

@@ -25,11 +25,12 @@ from jaxspec.structured.params import StructuredOutputsParams
 
 class Intake:
     def __init__(self, *, vocab_size: int, eos_token_ids, tokenizer, step_config, num_kv_blocks: int,
-                 draft_lookahead: int, share_prompt_blocks: bool, compile_timeout: float, seed: int):
+                 draft_lookahead: int, share_prompt_blocks: bool, compile_timeout: float, seed: int,
+                 compile_memory: float = 2.0):
         self.vocab_size, self.eos_token_ids, self.tokenizer = vocab_size, tuple(eos_token_ids), tokenizer
         self.step_config, self.num_kv_blocks, self.draft_lookahead = step_config, num_kv_blocks, draft_lookahead
         self.share_prompt_blocks = share_prompt_blocks   # prefix caching on: a group's completions share the prompt
-        self.compile_timeout = compile_timeout
+        self.compile_timeout, self.compile_memory = compile_timeout, compile_memory
         self.grammar_compiler: GrammarCompiler | None = None
         self._compiler_lock = threading.Lock()
         # Unfinished requests by id, and groups (SamplingParams.n > 1) with any unfinished completion: what
@@ -76,13 +77,22 @@ class Intake:
         return grammar
 
     def compile_structured(self, params: StructuredOutputsParams) -> TokenAutomaton:
-        """The constraint's token automaton: compiled once (on a worker thread, within the per-request limit
-        `structured_compile_timeout`) and cached. A ValueError says why a constraint cannot be used. Thread-safe:
-        a server compiles here before it queues the request, off its event loop and off the engine loop."""
+        """The constraint's token automaton: compiled once (in a compile process, within the per-request limits
+        `structured_compile_timeout` and `structured_compile_memory`) and cached. A ValueError says why a constraint
+        cannot be used; a CompileUnavailable (RuntimeError) that the compile processes were busy with other
+        requests' constraints. Thread-safe: a server compiles here before it queues the request, off its event loop
+        and off the engine loop. The compile processes start on the first constraint."""
         with self._compiler_lock:
             if self.grammar_compiler is None:
-                self.grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.compile_timeout)
+                self.grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.compile_timeout,
+                                                        self.compile_memory)
         return self.grammar_compiler.compile(params)
+
+    def stop_compiling(self):
+        """Ends the constraint compiles under way (they raise CompileUnavailable) and refuses later ones."""
+        with self._compiler_lock:
+            if self.grammar_compiler is not None:
+                self.grammar_compiler.close()
 
     def build(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,
               request_id: str | None = None, outputs=None) -> list[Request]:

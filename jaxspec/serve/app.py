@@ -1,18 +1,19 @@
 """An OpenAI-compatible HTTP server over one `LLM`: /v1/completions, /v1/chat/completions (server-sent events
-with `stream: true`), /v1/models, /health and /metrics.
+with `stream: true`), /v1/models (and /v1/models/{id}), /tokenize, /detokenize, /version, /health and /metrics.
 
 The engine loop runs on its own thread (`Engine.start`) and batches every client's requests; each HTTP request
 queues its completions with an output sink that hands the engine's deltas to the event loop. A client that
-disconnects aborts its completions (their blocks return to the pool). Errors use OpenAI's body:
-{"error": {"message", "type", "param", "code"}}.
+disconnects, streamed or not, aborts its completions at once (the engine drops them at its next step and their
+blocks return to the pool). On SIGTERM (`Server.drain`, from jaxspec/serve/lifecycle.py) new requests are
+refused, running ones get the grace period (--shutdown-timeout) and are then aborted. Errors use OpenAI's body:
+{"error": {"message", "type", "param", "code"}}. The API key, CORS and X-Request-Id: jaxspec/serve/http.py.
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
-import secrets
 import time
-import uuid
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -22,11 +23,18 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxspec.sched.output import AsyncSink, CompletionOutput, request_output
+from jaxspec.serve import tokenize
+from jaxspec.serve.http import HTTPOptions, install
 from jaxspec.serve.metrics import ServerMetrics
 from jaxspec.serve.protocol import ChatCompletionRequest, CompletionRequest
+from jaxspec.structured.compile_pool import CompileUnavailable
 
-# A non-streamed request checks for a vanished client this often while it waits.
-DISCONNECT_POLL_SECONDS = 0.5
+# Put on a request's output queue when its client disconnects: its reader stops at once.
+CLIENT_GONE = object()
+# While the server drains (SIGTERM), how often it looks whether the running requests have ended.
+DRAIN_POLL_SECONDS = 0.05
+# After the grace period, how long aborted requests may take to send their last response.
+ABORT_WAIT_SECONDS = 5.0
 
 
 class APIError(Exception):
@@ -44,6 +52,9 @@ class Completions:
     """One HTTP request's completions in the engine (every prompt's n), numbered as its response's choices."""
 
     def __init__(self, server: "Server", prompts: list, params, http_request: Request):
+        if not server.accepting:
+            raise APIError(503, "the server is shutting down; send the request to another replica",
+                           "ServiceUnavailableError")
         self.server, self.http = server, http_request
         self.sink = AsyncSink(asyncio.get_running_loop())
         try:
@@ -59,27 +70,44 @@ class Completions:
                        for p, g in enumerate(groups) for r in g}
         self.pending = set(self.choice.values())
         self.recorded: set[int] = set()   # choices whose end is in the metrics
+        self.client_gone = False
+        server.jobs.add(self)
 
     async def deltas(self):
         """(choice index, CompletionOutput delta) as the engine confirms them, until every choice ended. A
-        client gone meanwhile aborts them all."""
+        client gone meanwhile aborts them all at once, however fast they produce tokens (a task listens for the
+        disconnect while they run)."""
+        listener = asyncio.create_task(self._abort_when_client_leaves())
         try:
             while self.pending:
-                try:
-                    out = await asyncio.wait_for(self.sink.queue.get(), DISCONNECT_POLL_SECONDS)
-                except asyncio.TimeoutError:
-                    if await self.http.is_disconnected():
-                        return
-                    continue
+                out = await self.sink.queue.get()
+                if out is CLIENT_GONE:
+                    return
                 completion = out.outputs[0]
                 choice = self.choice[(out.request_id, completion.index)]
                 if completion.finished:
                     self.pending.discard(choice)
-                    self.recorded.add(choice)
-                    self.server.metrics.record(completion, len(out.prompt_token_ids))
+                    self._record(choice, completion)
                 yield choice, completion
         finally:
+            listener.cancel()
             self.abort()
+            self._close()
+
+    async def _abort_when_client_leaves(self):
+        """Waits for ASGI's `http.disconnect` (the endpoint has read the whole body, so nothing else arrives before
+        it; the server sends it when the connection drops) and aborts the completions: the engine drops them at the
+        start of its next step."""
+        while (await self.http.receive())["type"] != "http.disconnect":
+            pass
+        self.client_gone = True
+        self.abort()
+        self.sink.queue.put_nowait(CLIENT_GONE)
+
+    def _record(self, choice: int, completion: CompletionOutput):
+        if choice not in self.recorded:
+            self.recorded.add(choice)
+            self.server.metrics.record(completion)
 
     def abort(self):
         """Ends what still runs (the client is gone, or the handler failed) and records every end."""
@@ -89,9 +117,21 @@ class Completions:
                 continue
             if not r.finished:
                 self.server.llm.engine.abort(r.request_id)
-            self.recorded.add(choice)
-            self.server.metrics.record(request_output(r, self.server.llm.tokenizer).outputs[0],
-                                       len(r.prompt_token_ids))
+            self._record(choice, request_output(r, self.server.llm.tokenizer).outputs[0])
+
+    def stop(self):
+        """Aborts what still runs and lets the reader see it end: each choice's last delta says "abort" (the
+        server shuts down; its response still goes out)."""
+        for r in self.requests:
+            if not r.finished:
+                self.server.llm.engine.abort(r.request_id)
+
+    def _close(self):
+        """The request is over: its prompts are counted (once each, whatever their n) and it leaves the server's
+        running jobs."""
+        if self in self.server.jobs:
+            self.server.jobs.discard(self)
+            self.server.metrics.record_prompts(sum(self.prompt_tokens))
 
     def usage(self, completion_tokens: int) -> dict:
         prompt = sum(self.prompt_tokens)   # each prompt once, whatever its n
@@ -105,6 +145,31 @@ class Server:
         self.metrics = ServerMetrics(llm.engine, model_name)
         self.max_model_len = llm.engine.step_config.max_model_len
         self.created = int(time.time())
+        self.jobs: set[Completions] = set()   # HTTP requests whose completions run
+        self.draining = False     # shutting down: new HTTP requests are refused (http.ShutdownGate)
+        self.accepting = True     # False once the grace period is over: nothing more enters the engine
+
+    async def drain(self, grace: float):
+        """Shutdown (SIGTERM): refuses new requests, lets the running ones finish for `grace` seconds, then aborts
+        what still runs (each response ends with finish_reason "abort") and stops the constraint compiles, and
+        waits (ABORT_WAIT_SECONDS at most) for those responses to go out."""
+        loop = asyncio.get_running_loop()
+        self.draining = True
+        await self._wait_for_jobs(loop.time() + grace)
+        self.accepting = False
+        self.llm.engine.intake.stop_compiling()
+        for job in list(self.jobs):
+            job.stop()
+        await self._wait_for_jobs(loop.time() + ABORT_WAIT_SECONDS)
+
+    async def _wait_for_jobs(self, until: float):
+        loop = asyncio.get_running_loop()
+        while self.jobs and loop.time() < until:
+            await asyncio.sleep(DRAIN_POLL_SECONDS)
+
+    def model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "jaxspec",
+                "max_model_len": self.max_model_len}
 
     # ---- helpers -----------------------------------------------------------------------------------
     def check_model(self, model: str | None):
@@ -128,6 +193,8 @@ class Server:
             await asyncio.to_thread(self.llm.engine.compile_structured, params.structured_outputs)
         except ValueError as e:
             raise APIError(400, str(e), param="response_format") from None
+        except CompileUnavailable as e:   # busy with others' constraints, or shutting down: not this one's fault
+            raise APIError(503, str(e), "ServiceUnavailableError") from None
 
     def token_text(self, token_id: int) -> str:
         tok = self.llm.tokenizer
@@ -166,7 +233,7 @@ class Server:
             raise APIError(400, str(e)) from None
         await self.compile_constraint(params)
         job = Completions(self, prompts, params, http)
-        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        rid, created = f"cmpl-{http.state.request_id}", int(time.time())
 
         def chunk(choices, usage=None):
             out = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
@@ -213,7 +280,7 @@ class Server:
             raise APIError(400, str(e)) from None
         await self.compile_constraint(params)
         job = Completions(self, [conversation], params, http)
-        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        rid, created = f"chatcmpl-{http.state.request_id}", int(time.time())
 
         def chunk(obj, choices, usage=None):
             out = {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": choices}
@@ -273,14 +340,19 @@ async def _collect(job: Completions) -> dict:
         if c.logprobs is not None:
             acc.logprobs += c.logprobs
         acc.finish_reason, acc.metrics = c.finish_reason, c.metrics
-    if job.pending:   # the client went away
-        raise asyncio.CancelledError
+    if job.client_gone:   # nobody reads the answer (the server drops what is sent on a closed connection)
+        raise APIError(499, "the client closed the connection before the completions ended", "ClientClosedRequest")
     return results
 
 
-def build_app(llm, model_name: str, api_key: str | None = None) -> FastAPI:
-    """The ASGI app. The engine loop starts with the app and stops with it."""
-    server = Server(llm, model_name, api_key)
+def build_app(llm, model_name: str, api_key: str | None = None, http_options: HTTPOptions | None = None) -> FastAPI:
+    """The ASGI app. The engine loop starts with the app and stops with it (the constraint compile processes
+    too). `http_options`: the API key, CORS, /metrics' protection (jaxspec/serve/http.py); `api_key` overrides
+    its key."""
+    options = http_options or HTTPOptions()
+    if api_key is not None:
+        options = dataclasses.replace(options, api_key=api_key)
+    server = Server(llm, model_name, options.api_key)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -288,19 +360,12 @@ def build_app(llm, model_name: str, api_key: str | None = None) -> FastAPI:
         try:
             yield
         finally:
+            llm.engine.intake.stop_compiling()
             llm.engine.stop()
 
     app = FastAPI(title="jaxspec", lifespan=lifespan)
     app.state.server = server
-
-    @app.middleware("http")
-    async def authenticate(request: Request, call_next):
-        if api_key is not None and request.url.path != "/health":
-            given = request.headers.get("authorization", "")
-            if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                return error_response(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                                      "AuthenticationError")
-        return await call_next(request)
+    install(app, server, options)
 
     @app.exception_handler(APIError)
     async def api_error(request, e: APIError):
@@ -316,16 +381,43 @@ def build_app(llm, model_name: str, api_key: str | None = None) -> FastAPI:
     async def http_error(request, e: StarletteHTTPException):
         return error_response(e.status_code, str(e.detail), "NotFoundError" if e.status_code == 404 else "Error")
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         if llm.engine.failure is not None:   # the engine loop died: every request would be refused
             return error_response(503, f"the engine loop stopped: {llm.engine.failure!r}", "ServiceUnavailableError")
         return Response(status_code=200)
 
+    @app.get("/version")
+    async def version():
+        from jaxspec import __version__
+        return {"version": __version__}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": server.created,
-                                            "owned_by": "jaxspec", "max_model_len": server.max_model_len}]}
+        return {"object": "list", "data": [server.model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        server.check_model(model_id)
+        return server.model_card()
+
+    @app.post("/tokenize")
+    async def tokenize_text(request: Request):
+        body = await _json_body(request)
+        server.check_model(body.get("model") if isinstance(body, dict) else None)
+        try:
+            return tokenize.tokenize(llm, server.max_model_len, body)
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+
+    @app.post("/detokenize")
+    async def detokenize_ids(request: Request):
+        body = await _json_body(request)
+        server.check_model(body.get("model") if isinstance(body, dict) else None)
+        try:
+            return tokenize.detokenize(llm, body)
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -340,3 +432,10 @@ def build_app(llm, model_name: str, api_key: str | None = None) -> FastAPI:
         return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+async def _json_body(request: Request):
+    try:
+        return json.loads(await request.body())
+    except ValueError as e:
+        raise APIError(400, f"the request body is not JSON: {e}") from None

@@ -56,8 +56,8 @@ class ServerMetrics:
         self.model_name = model_name
         self.requests = Counter("jaxspec:request_success", "Finished requests, by finish reason.",
                                 labels + ["finished_reason"], registry=self.registry)
-        self.prompt_tokens = Counter("jaxspec:prompt_tokens", "Prompt tokens of finished requests.", labels,
-                                     registry=self.registry)
+        self.prompt_tokens = Counter("jaxspec:prompt_tokens", "Prompt tokens of finished requests (each prompt "
+                                     "once, whatever its number of completions n).", labels, registry=self.registry)
         self.generation_tokens = Counter("jaxspec:generation_tokens", "Tokens generated.", labels,
                                          registry=self.registry)
         self.ttft = Histogram("jaxspec:time_to_first_token_seconds", "Time to first token.", labels,
@@ -68,14 +68,17 @@ class ServerMetrics:
                              buckets=LATENCY_BUCKETS, registry=self.registry)
         self.registry.register(EngineCollector(engine, model_name))
 
-    def record(self, completion, num_prompt_tokens: int):
+    def record(self, completion):
         """A completion (CompletionOutput, whole) ended."""
         m, name = completion.metrics, self.model_name
         self.requests.labels(name, completion.finish_reason or "abort").inc()
-        self.prompt_tokens.labels(name).inc(num_prompt_tokens)
         self.generation_tokens.labels(name).inc(m["num_output_tokens"])
         if m["ttft"] is not None:
             self.ttft.labels(name).observe(m["ttft"])
         if m["tpot"] is not None:
             self.tpot.labels(name).observe(m["tpot"])
         self.e2e.labels(name).observe(m["e2e_latency"])
+
+    def record_prompts(self, num_tokens: int):
+        """An HTTP request ended: its prompts' tokens, each prompt once (its n completions share it)."""
+        self.prompt_tokens.labels(self.model_name).inc(num_tokens)

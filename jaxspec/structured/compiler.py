@@ -15,9 +15,11 @@ character class inside the pattern, a JSON string's, can match END too and lead 
 every state from which no accepting state can be reached (those a token holding only the first bytes of END leads
 to) are dropped, so every state allows some token.
 
-Compiling runs on a small thread pool (outlines-core releases the GIL while it builds the DFA), so a caller
-waits for its constraint at most `timeout` seconds; a compile that runs longer is refused with a ValueError and
-left to finish in the background, where a later request for the same constraint finds it.
+Compiling runs in worker processes (compile_pool.py, worker.py), each capped in memory, and a compile that runs
+past its time budget is stopped by killing its process: a constraint that is refused leaves nothing running.
+Before any compiling, a regex whose counted repetitions would explode (`(a|b){1,100000}`) is refused with what
+is wrong (pattern_size.py). Results are cached by constraint, refusals too (the same bad constraint is refused at
+once the next time), but not a busy answer (CompileUnavailable: the constraint was never compiled).
 """
 from __future__ import annotations
 
@@ -26,14 +28,18 @@ import concurrent.futures
 import dataclasses
 import json
 import threading
+import weakref
 
 import numpy as np
 
+from jaxspec.structured.compile_pool import CompilePool
 from jaxspec.structured.params import StructuredOutputsParams, choice_regex
+from jaxspec.structured.pattern_size import check_pattern_size
 
 MAX_EDGES = 1 << 25          # a constraint whose automaton has more (token, next state) edges is refused
 CACHE_SIZE = 256             # compiled constraints kept (least recently used dropped first)
 JSON_OBJECT_DEPTH = 2        # json_object: an object whose values nest objects / arrays this deep
+COMPILE_WORKERS = 2          # constraint compiles that run at once (one process each)
 END = "\uffff"               # a Unicode noncharacter: appended to every regex (see above)
 
 
@@ -162,56 +168,106 @@ def constraint_regex(params: StructuredOutputsParams) -> str:
 
 
 class GrammarCompiler:
-    """Compiles constraints into TokenAutomata over one model's vocabulary; cached by constraint."""
+    """Compiles constraints into TokenAutomata over one model's vocabulary, in worker processes; cached by
+    constraint. `timeout`: seconds a compile may run (and a compile may wait for a free worker) before it is
+    stopped; `memory_gb`: GiB of address space a compile process may use."""
 
-    def __init__(self, tokenizer, vocab_size: int, timeout: float = 30.0, max_workers: int = 2):
+    def __init__(self, tokenizer, vocab_size: int, timeout: float = 30.0, memory_gb: float = 2.0,
+                 workers: int = COMPILE_WORKERS):
         if tokenizer is None:
             raise ValueError("structured outputs need the model's tokenizer (to know each token's text); this "
                              "model has none")
-        self.tokenizer, self.vocab_size, self.timeout = tokenizer, vocab_size, timeout
+        self.tokenizer, self.vocab_size, self.timeout, self.memory_gb = tokenizer, vocab_size, timeout, memory_gb
         self.end_token = vocab_size     # END's token: never a model token
         self.eos_token_ids = tuple(t for t in tokenizer.eos_token_ids if 0 <= t < vocab_size)
         self._vocabulary = None
         self._cache: collections.OrderedDict[tuple, concurrent.futures.Future] = collections.OrderedDict()
         self._lock = threading.Lock()
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers, thread_name_prefix="jaxspec-grammar")
+        self.pool = CompilePool(self._worker_setup, workers, int(memory_gb * 2**30))
+        weakref.finalize(self, self.pool.close)   # no compile process outlives its compiler
 
     def __len__(self) -> int:
         """Constraints compiled (or compiling) in the cache."""
         return len(self._cache)
 
+    def close(self):
+        """Stops the compile processes: compiles under way end with CompileUnavailable, and so do later ones."""
+        self.pool.close()
+
+    def compile(self, params: StructuredOutputsParams) -> TokenAutomaton:
+        """The constraint's automaton: from the cache, or compiled within `timeout` seconds. A ValueError names a
+        constraint that cannot be used (bad, too large, too slow to compile, too much memory); CompileUnavailable
+        (a RuntimeError) says the compile processes were busy with others' constraints the whole `timeout`."""
+        key = params.key()
+        with self._lock:
+            future = self._cache.get(key)
+            owner = future is None
+            if owner:
+                future = self._cache[key] = concurrent.futures.Future()
+                while len(self._cache) > CACHE_SIZE:
+                    self._cache.popitem(last=False)
+            self._cache.move_to_end(key)
+        if owner:
+            self._settle(future, params, key)
+        return future.result()
+
+    def _settle(self, future: concurrent.futures.Future, params: StructuredOutputsParams, key: tuple):
+        """Compiles the constraint into `future`. A refusal stays cached; a busy pool is not the constraint's
+        fault, so that outcome is dropped from the cache (the next request compiles again)."""
+        try:
+            future.set_result(self._compile(params, key))
+        except ValueError as e:
+            future.set_exception(e)
+        except BaseException as e:
+            with self._lock:
+                if self._cache.get(key) is future:
+                    del self._cache[key]
+            future.set_exception(e)
+
+    def _compile(self, params: StructuredOutputsParams, key: tuple) -> TokenAutomaton:
+        kind = params.kind
+        regex = constraint_regex(params)
+        check_pattern_size(regex, kind, self.vocab_size, MAX_EDGES)
+        outcome, value = self.pool.compile(kind, f"({regex}){END}", self.timeout, wait=self.timeout)
+        if outcome == "ok":
+            initial, *arrays = value
+            return TokenAutomaton(key, initial, *(np.frombuffer(a, np.int32).copy() for a in arrays))
+        if outcome == "timeout":
+            raise ValueError(f"structured_outputs.{kind} took longer than {self.timeout:g} s to compile (the limit "
+                             "per request); simplify the constraint")
+        if outcome in ("memory", "ended"):
+            ended = f"; its compile process ended by {value}" if outcome == "ended" else ""
+            raise ValueError(f"structured_outputs.{kind} needs more memory to compile than the {self.memory_gb:g} GiB "
+                             f"a compile may use{ended}; simplify the constraint")
+        raise ValueError(value)
+
+    def _worker_setup(self) -> dict:
+        """What each compile process receives once: the vocabulary as outlines-core builds it (token bytes ->
+        ids, END's token among them), the EOS ids and the edge limit."""
+        return {"vocabulary": self._token_ids_by_bytes(), "eos_token_id": self._outlines_eos(),
+                "eos_token_ids": self.eos_token_ids, "end_token": self.end_token, "max_edges": MAX_EDGES}
+
+    def _token_ids_by_bytes(self) -> dict[bytes, list[int]]:
+        by_bytes: dict[bytes, list[int]] = {}
+        for i, data in token_bytes(self.tokenizer, self.vocab_size).items():
+            by_bytes.setdefault(data, []).append(i)
+        by_bytes.setdefault(END.encode(), []).append(self.end_token)
+        return by_bytes
+
+    def _outlines_eos(self) -> int:
+        return self.eos_token_ids[0] if self.eos_token_ids else self.vocab_size + 1
+
+    # ---- in this process: the reference the tests compare the device's masks with ---------------------------
     def vocabulary(self):
         """outlines-core's Vocabulary of the model's tokens (built once)."""
         with self._lock:
             if self._vocabulary is None:
                 from outlines_core import Vocabulary
-                by_bytes: dict[bytes, list[int]] = {}
-                for i, data in token_bytes(self.tokenizer, self.vocab_size).items():
-                    by_bytes.setdefault(data, []).append(i)
-                by_bytes.setdefault(END.encode(), []).append(self.end_token)
-                eos = self.eos_token_ids[0] if self.eos_token_ids else self.vocab_size + 1
-                self._vocabulary = Vocabulary(eos, by_bytes)
+                self._vocabulary = Vocabulary(self._outlines_eos(), self._token_ids_by_bytes())
             return self._vocabulary
 
-    def compile(self, params: StructuredOutputsParams) -> TokenAutomaton:
-        """The constraint's automaton: from the cache, or compiled within `timeout` seconds (a ValueError names
-        a constraint that cannot be compiled, or that takes longer)."""
-        key = params.key()
-        with self._lock:
-            future = self._cache.get(key)
-            if future is None:
-                future = self._cache[key] = self._pool.submit(self._build, params, key)
-                while len(self._cache) > CACHE_SIZE:
-                    self._cache.popitem(last=False)
-            self._cache.move_to_end(key)
-        try:
-            return future.result(timeout=self.timeout)
-        except concurrent.futures.TimeoutError:
-            raise ValueError(f"structured_outputs.{params.kind} took longer than {self.timeout:g} s to compile "
-                             "(the limit per request); simplify the constraint") from None
-
     def index(self, params: StructuredOutputsParams):
-        """outlines-core's Index of the constraint's regex followed by END."""
+        """outlines-core's Index of the constraint's regex followed by END, built in this process (no budget)."""
         from outlines_core import Index
         regex = f"({constraint_regex(params)}){END}"
         try:
@@ -220,48 +276,3 @@ class GrammarCompiler:
             raise ValueError(f"structured_outputs.{params.kind} cannot be compiled into a token automaton for this "
                              f"model's vocabulary: {e}") from None
 
-    def _build(self, params: StructuredOutputsParams, key: tuple) -> TokenAutomaton:
-        return automaton_from_index(self.index(params), key, self.eos_token_ids, self.end_token)
-
-
-def automaton_from_index(index, key: tuple, eos_token_ids: tuple[int, ...], end_token: int) -> TokenAutomaton:
-    """outlines-core's Index (of a regex followed by END) -> TokenAutomaton: states renumbered from 0 (the initial
-    state first), the states past END dropped, and an edge per model EOS token (to the same state) on each state
-    that had an END edge."""
-    transitions = index.get_transitions()             # {state: {token: next state}}
-    initial = index.get_initial_state()
-    # A state accepts where END leads to a final state. END is a character, so a pattern's character class can
-    # match it too (inside a JSON string): there it leads on inside the pattern, which is not an end.
-    finals = set(index.get_final_states())
-    accepting = [s for s, out in transitions.items() if out.get(end_token) in finals]
-    into: dict[int, set] = {}
-    for s, out in transitions.items():
-        for t, n in out.items():
-            if t != end_token:
-                into.setdefault(n, set()).add(s)
-    live, todo = set(accepting), list(accepting)       # the states an accepting state can be reached from
-    while todo:
-        for s in into.get(todo.pop(), ()):
-            if s not in live:
-                live.add(s)
-                todo.append(s)
-    if initial not in live:
-        raise ValueError(f"structured_outputs.{key[0]} matches no text this model's tokens can spell")
-    names = [initial] + sorted(live - {initial})
-    number = {s: i for i, s in enumerate(names)}
-    first, count, tokens, nexts = [], [], [], []
-    for s in names:
-        out = transitions.get(s, {})
-        edges = {t: number[n] for t, n in out.items() if n in live and t != end_token}
-        if out.get(end_token) in finals:
-            edges.update({t: number[s] for t in eos_token_ids})
-        first.append(len(tokens))
-        count.append(len(edges))
-        for t in sorted(edges):
-            tokens.append(t)
-            nexts.append(edges[t])
-    if len(tokens) > MAX_EDGES:
-        raise ValueError(f"structured_outputs.{key[0]} compiles to {len(tokens)} token transitions, more than the "
-                         f"limit of {MAX_EDGES}; simplify the constraint")
-    as_i32 = lambda x: np.asarray(x, np.int32)   # noqa: E731
-    return TokenAutomaton(key, 0, as_i32(first), as_i32(count), as_i32(tokens), as_i32(nexts))
