@@ -52,6 +52,7 @@ def engine_kwargs(args) -> dict:
 
 
 def serve(argv: list[str]):
+    from jaxspec.serve.options import add_serve_args, options_from_args
     p = argparse.ArgumentParser(prog="jaxspec serve", description="An OpenAI-compatible server over one model.")
     p.add_argument("model", nargs="?", default="smollm2-135m-instruct",
                    help="a preset name, a Hugging Face directory or a GGUF file")
@@ -65,7 +66,12 @@ def serve(argv: list[str]):
     p.add_argument("--random-weights", action="store_true",
                    help="benchmarks: MODEL's shapes with random weights and no tokenizer (token-id prompts only)")
     add_engine_args(p)
+    add_serve_args(p)
     args = p.parse_args(argv)
+    try:
+        options = options_from_args(args)
+    except ValueError as e:
+        p.error(str(e))
 
     import uvicorn
 
@@ -77,7 +83,7 @@ def serve(argv: list[str]):
         from jaxspec.models.random import random_model
         model = random_model(args.model, dtype=_resolve_dtype(args.dtype), seed=args.seed)
     llm = LLM(model, **engine_kwargs(args))
-    app = build_app(llm, args.served_model_name or args.model, api_key=args.api_key or None)
+    app = build_app(llm, args.served_model_name or args.model, api_key=args.api_key or None, options=options)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
 
 
