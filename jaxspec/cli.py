@@ -117,6 +117,7 @@ def check_engine_args(p: argparse.ArgumentParser, args):
 
 
 def serve(argv: list[str]):
+    from jaxspec.serve.options import add_serve_args, options_from_args
     p = ArgumentParser(prog="jaxspec serve", description="An OpenAI-compatible server over one model.")
     p.add_argument("model", nargs="?", default="smollm2-135m-instruct",
                    help="a preset name, a Hugging Face directory or a GGUF file")
@@ -131,16 +132,21 @@ def serve(argv: list[str]):
                    help="benchmarks: MODEL's shapes with random weights and no tokenizer (token-id prompts only)")
     add_http_args(p)
     add_engine_args(p)
+    add_serve_args(p)
     args = p.parse_args(argv)
     with one_line_errors(p.prog):
         check_model(p, "MODEL", args.model, random_weights=args.random_weights)
         check_engine_args(p, args)
+        try:
+            options = options_from_args(args)
+        except ValueError as e:
+            p.error(str(e))
         from jaxspec.listen import LoadingResponder, listen
         sock = listen(args.host, args.port)   # before loading: a port in use is reported at once
         print(f"jaxspec serve: listening on {url_of(sock)}; requests are answered 503 until the model is loaded",
               file=sys.stderr, flush=True)
         with LoadingResponder(sock):
-            app = load_app(args)
+            app = load_app(args, options)
         run_server(app, sock, args)
 
 
@@ -149,7 +155,7 @@ def url_of(sock) -> str:
     return f"http://{f'[{host}]' if ':' in host else host}:{port}"
 
 
-def load_app(args):
+def load_app(args, options):
     """The model loaded, its engine started and compiled, and the app that serves it."""
     from jaxspec.llm import LLM
     from jaxspec.serve import build_app
@@ -159,7 +165,7 @@ def load_app(args):
         from jaxspec.models.random import random_model
         model = random_model(args.model, dtype=_resolve_dtype(args.dtype), seed=args.seed)
     llm = LLM(model, **engine_kwargs(args))
-    return build_app(llm, args.served_model_name or args.model, http_options=http_options(args))
+    return build_app(llm, args.served_model_name or args.model, http_options=http_options(args), options=options)
 
 
 def run_server(app, sock, args):

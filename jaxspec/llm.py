@@ -58,8 +58,10 @@ class LLM:
         self.speculative_config = self.engine.speculative_config
 
     # ---- prompts -----------------------------------------------------------------------------------
-    def encode_prompt(self, prompt, index: int = 0) -> tuple[list[int], str | None]:
-        """One prompt -> (token ids, text or None). A ValueError names the prompt and what is wrong with it."""
+    def encode_prompt(self, prompt, index: int = 0, chat_options: dict | None = None) -> tuple[list[int], str | None]:
+        """One prompt -> (token ids, text or None). A ValueError names the prompt and what is wrong with it.
+        `chat_options`: how a conversation is rendered (`apply_chat_template`'s keywords, and `add_special_tokens`:
+        the tokenizer's own BOS and such on top of what the template writes)."""
         where = f"prompt {index}"
         if isinstance(prompt, str):
             if self.tokenizer is None:
@@ -69,22 +71,51 @@ class LLM:
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             return _token_ids(prompt["prompt_token_ids"], where), None
         if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
-            text = self.apply_chat_template(prompt, where=where)
-            return self.tokenizer.encode(text, add_special_tokens=False), text
+            options = dict(chat_options or {})
+            add_special_tokens = options.pop("add_special_tokens", False)
+            text = self.apply_chat_template(prompt, where=where, **options)
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens), text
         if isinstance(prompt, (list, tuple)):
             return _token_ids(prompt, where), None
         raise ValueError(f"{where} is {_show(prompt)}: a prompt must be a string, a list of token ids, "
                          "{'prompt_token_ids': [...]} or a list of chat messages")
 
-    def apply_chat_template(self, messages: list[dict], where: str = "the conversation") -> str:
+    def apply_chat_template(self, messages: list[dict], where: str = "the conversation", *,
+                            add_generation_prompt: bool = True, continue_final_message: bool = False,
+                            tools: list[dict] | None = None, chat_template: str | None = None,
+                            chat_template_kwargs: dict | None = None) -> str:
+        """The conversation's prompt text (vLLM's `LLM.chat` options): `add_generation_prompt` opens the assistant's
+        turn; `continue_final_message` instead leaves the last message open, for the model to continue it;
+        `tools` are shown to the template; `chat_template` replaces the tokenizer's; `chat_template_kwargs` are
+        more template variables. An assistant message with `tool_calls` may have no content."""
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer, so it has no chat template")
+        if add_generation_prompt and continue_final_message:
+            raise ValueError("add_generation_prompt and continue_final_message are both set; the last message is "
+                             "either closed and answered, or continued: set add_generation_prompt=False")
         for i, m in enumerate(messages):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            content = m.get("content") if isinstance(m, dict) else None
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not (
+                    isinstance(content, str) or (content is None and m.get("tool_calls"))):
                 raise ValueError(f"{where}: message {i} is {_show(m)}; every chat message needs a string 'role' "
-                                 "and a string 'content'")
-            _check_text(m["content"], f"{where}: message {i}'s content")
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+                                 "and a string 'content' (or, from the assistant, 'tool_calls')")
+            if content is not None:
+                _check_text(content, f"{where}: message {i}'s content")
+        if continue_final_message and not isinstance(messages[-1].get("content"), str):
+            raise ValueError(f"{where}: continue_final_message needs a last message with text content to continue")
+        kwargs = dict(chat_template_kwargs or {})
+        clash = sorted(set(kwargs) & {"messages", "tools", "add_generation_prompt", "continue_final_message",
+                                      "chat_template", "tokenize"})
+        if clash:
+            raise ValueError(f"chat_template_kwargs has {clash}, which are options of their own; give them as such")
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt, continue_final_message=continue_final_message, tools=tools,
+                chat_template=chat_template, **kwargs)
+        except ValueError:
+            raise
+        except Exception as e:   # the template raised (jinja's TemplateError, a missing variable, ...)
+            raise ValueError(f"{where}: the chat template could not render it: {type(e).__name__}: {e}") from None
 
     @staticmethod
     def _as_list(prompts) -> list:
@@ -98,17 +129,19 @@ class LLM:
         raise ValueError(f"prompts is {_show(prompts)}: give a string, a list of token ids, a list of chat "
                          "messages, or a list of those")
 
-    def add_requests(self, prompts, sampling_params=None, outputs=None) -> list[list[Request]]:
+    def add_requests(self, prompts, sampling_params=None, outputs=None, chat_options: dict | None = None
+                     ) -> list[list[Request]]:
         """Queues every prompt (all checked before any is queued: a ValueError queues nothing); per prompt,
         its SamplingParams.n completions. `outputs`: an object with `put(RequestOutput)` (a queue) that gets
-        their deltas as the engine confirms them (a server drives the engine on its thread and reads them)."""
+        their deltas as the engine confirms them (a server drives the engine on its thread and reads them).
+        `chat_options`: how conversations are rendered (`encode_prompt`)."""
         prompts = self._as_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts; give one, or one each")
-        encoded = [self.encode_prompt(p, i) for i, p in enumerate(prompts)]
+        encoded = [self.encode_prompt(p, i, chat_options) for i, p in enumerate(prompts)]
         # every request is checked (and built) before any is queued
         groups = [self.engine.intake.build(ids, sp, prompt=text, outputs=outputs)
                   for (ids, text), sp in zip(encoded, params)]
@@ -120,7 +153,10 @@ class LLM:
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """One RequestOutput per prompt, in order; SamplingParams.n completions each in `outputs`."""
-        groups = self.add_requests(prompts, sampling_params)
+        return self._generate(prompts, sampling_params, use_tqdm)
+
+    def _generate(self, prompts, sampling_params, use_tqdm: bool, chat_options: dict | None = None):
+        groups = self.add_requests(prompts, sampling_params, chat_options=chat_options)
         reqs = [r for group in groups for r in group]
         bar = tqdm(total=len(reqs), desc="generating", disable=not use_tqdm, unit="req")
         finished = [0]
@@ -165,10 +201,16 @@ class LLM:
                     self.engine.abort(req.request_id)
             self.engine.drain()
 
-    def chat(self, messages, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
-        """One conversation (a list of {"role", "content"}) or a list of them."""
+    def chat(self, messages, sampling_params=None, use_tqdm: bool = True, *, chat_template: str | None = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False, tools: list[dict] | None = None,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """One conversation (a list of {"role", "content"}) or a list of them, rendered as `apply_chat_template`
+        says (vLLM's options)."""
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        return self.generate([list(c) for c in convs], sampling_params, use_tqdm=use_tqdm)
+        options = dict(chat_template=chat_template, add_generation_prompt=add_generation_prompt,
+                       continue_final_message=continue_final_message, tools=tools,
+                       chat_template_kwargs=chat_template_kwargs)
+        return self._generate([list(c) for c in convs], sampling_params, use_tqdm, options)
 
     def abort(self, request_id: str):
         self.engine.abort(request_id)

@@ -11,6 +11,7 @@ MAX_LOGPROBS = 20  # top-n logprobs the step can return per token
 MAX_STOP_TOKEN_IDS = 8
 INT32_MAX = 2**31 - 1  # per-request integers travel to the device as int32
 MAX_N = 256            # completions per prompt
+MAX_LOGIT_BIAS = 1024  # logit_bias entries per request: the device keeps a fixed-size table row per slot
 
 
 @dataclasses.dataclass
@@ -30,6 +31,17 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None
+    # Top-n logprobs of every prompt token given the tokens before it (the first has none); computed in the
+    # prefill, whose cached prefix such a request does not reuse.
+    prompt_logprobs: int | None = None
+    # token id -> a value added to its logit before penalties and sampling, at every generated position
+    logit_bias: dict[int, float] | None = None
+    # The text keeps the stop string (or stop token) that ended it.
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True            # special tokens (<|im_end|>, ...) left out of the text
+    # Slow (Python) tokenizers only: spaces between special tokens in the text; fast tokenizers render none
+    # either way, as in vLLM.
+    spaces_between_special_tokens: bool = True
     # The output must match a JSON schema, a regex or one of some choices (applied on the device, each step).
     structured_outputs: StructuredOutputsParams | None = None
 
@@ -39,6 +51,7 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.logit_bias = dict(self.logit_bias) if self.logit_bias else None
         self.validate()
 
     @property
@@ -87,8 +100,14 @@ class SamplingParams:
         real("repetition_penalty", 0, math.inf, lo_open=True, hi_open=True)
         if self.logprobs is not None:
             integer("logprobs", 0, MAX_LOGPROBS)
-        if not isinstance(self.ignore_eos, bool):
-            bad("ignore_eos", "it must be a bool")
+        if self.prompt_logprobs is not None:
+            integer("prompt_logprobs", 0, MAX_LOGPROBS)
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
+                     "spaces_between_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                bad(name, "it must be a bool")
+        if self.logit_bias is not None:
+            self._validate_logit_bias(bad)
         ids = self.stop_token_ids
         if len(ids) > MAX_STOP_TOKEN_IDS or not all(
                 isinstance(t, numbers.Integral) and not isinstance(t, bool) and 0 <= t <= INT32_MAX for t in ids):
@@ -101,3 +120,16 @@ class SamplingParams:
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
                 bad("structured_outputs", "give a StructuredOutputsParams (or a dict of its fields) or None")
             self.structured_outputs.validate()
+
+    def _validate_logit_bias(self, bad):
+        """At most MAX_LOGIT_BIAS entries, int token ids -> finite numbers (ids inside the vocabulary are checked
+        where the vocabulary is known: the engine's intake)."""
+        bias = self.logit_bias
+        if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS:
+            bad("logit_bias", f"give a dict of at most {MAX_LOGIT_BIAS} token ids -> bias")
+        for t, v in bias.items():
+            if not (isinstance(t, numbers.Integral) and not isinstance(t, bool) and 0 <= t <= INT32_MAX):
+                bad("logit_bias", f"key {t!r} is not a token id (an int in [0, {INT32_MAX}])")
+            if not (isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)):
+                bad("logit_bias", f"the bias of token {t} is {v!r}; it must be a finite number")
+        self.logit_bias = {int(t): float(v) for t, v in bias.items()}

@@ -53,6 +53,8 @@ ROW_FIELDS = {
     "seed_hi": Field(np.int32, 0, _seed_word(1)),
     "top_k": Field(np.int32, 0, lambda r, v: min(max(r.params.top_k, 0), v)),   # 0: off
     "min_tokens": Field(np.int32, 0, lambda r, v: r.params.min_tokens),
+    # 1: the row adds its slot's row of the logit-bias table (written when the request takes the slot)
+    "logit_bias": Field(np.int32, 0, lambda r, v: int(bool(r.params.logit_bias))),
     "temperature": Field(np.float32, 0.0, lambda r, v: r.params.temperature),
     "top_p": Field(np.float32, 1.0, lambda r, v: r.params.top_p),
     "min_p": Field(np.float32, 0.0, lambda r, v: r.params.min_p),

@@ -31,6 +31,7 @@ from jaxspec.nn import schema
 from jaxspec.nn.decoder import Decoder
 from jaxspec.nn.ops import Ops
 from jaxspec.nn.sharding import PARAM_RULES, STATE_RULES
+from jaxspec.sampling_params import MAX_LOGIT_BIAS
 
 MIN_TOKEN_BUCKET = 8
 
@@ -41,6 +42,20 @@ def _load_inputs(inbox, buf):
 
 def _copy_outputs(outbox):
     return jax.tree_util.tree_map(jnp.copy, outbox)
+
+
+def _write_logit_bias(table, slot, row):
+    return table.at[slot].set(row)   # in place: table is donated
+
+
+def logit_bias_row(bias: dict[int, float]) -> np.ndarray:
+    """A request's row of the logit-bias table: i32[2, MAX_LOGIT_BIAS], its token ids (-1 padding), then its
+    values' float32 bits."""
+    row = np.zeros((2, MAX_LOGIT_BIAS), np.int32)
+    row[0] = -1
+    row[0, :len(bias)] = list(bias)
+    row[1, :len(bias)] = np.asarray(list(bias.values()), np.float32).view(np.int32)
+    return row
 
 
 def _write_history(state, slot, ids, n):
@@ -72,6 +87,11 @@ class ModelRunner:
             self.state = jax.device_put(self.state, self.state_shardings)
             self.input_sharding = tp.replicated
         self._write_history = jax.jit(_write_history, donate_argnums=(0,), out_shardings=self.state_shardings)
+        # Each slot's logit bias (decode.step.row_logit_bias), written when a request with one takes the slot and
+        # read only by the steps of logit-bias variants: it costs other steps nothing.
+        self.logit_bias_table = jnp.zeros((step_config.num_slots + 1, 2, MAX_LOGIT_BIAS), jnp.int32,
+                                          device=self.input_sharding)
+        self._write_logit_bias = jax.jit(_write_logit_bias, donate_argnums=(0,), out_shardings=self.input_sharding)
         self._load_inputs = jax.jit(_load_inputs, donate_argnums=(0,), out_shardings=self.input_sharding)
         self._copy_outputs = jax.jit(_copy_outputs, out_shardings=self.input_sharding)
         self._inboxes: dict[int, jax.Array] = {}                  # per bucket
@@ -144,6 +164,11 @@ class ModelRunner:
         ids[:n] = token_ids
         self.state = self._write_history(self.state, np.int32(slot), ids, np.int32(n))
 
+    def write_logit_bias(self, slot: int, row: np.ndarray):
+        """The slot's row of the logit-bias table (`logit_bias_row`): one small dispatch, ordered before the steps
+        that read it (a step already dispatched keeps the table it was given)."""
+        self.logit_bias_table = self._write_logit_bias(self.logit_bias_table, np.int32(slot), row)
+
     def replay(self, T: int) -> dict:
         """Runs bucket T's last live inputs again (benchmarks: the device time of a real step). Each replay
         advances the same rows by one more token; abort those requests afterwards."""
@@ -161,24 +186,27 @@ class ModelRunner:
         if outbox is None:
             outbox = self.new_outbox(T, variant)
         self.state, outbox = self.step_fn(T, variant)(self.params, self.drafter_params, self.state, inbox, outbox,
-                                                      *self._grammar_args(variant, grammar_table))
+                                                      *self._table_args(variant, grammar_table))
         self._outboxes[(T, variant)] = outbox
         return self._copy_outputs(outbox)
 
     def new_outbox(self, T: int, variant: StepVariant) -> dict:
         """Device buffers shaped as bucket T's outputs under this variant (the step writes into them)."""
-        shapes = output_shapes(variant, self.step_config, self.rows_for(T), self.target.config.vocab_size)
+        shapes = output_shapes(variant, self.step_config, self.rows_for(T), self.target.config.vocab_size, T)
         # made on the device: a CPU device_put of host zeros may alias host memory, which cannot be donated
         return jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype, device=self.input_sharding), shapes)
 
-    @staticmethod
-    def _grammar_args(variant: StepVariant, grammar_table) -> tuple:
-        """Only grammar variants take the table: a new table shape recompiles those steps alone."""
-        if not variant.grammar:
-            return ()
-        if grammar_table is None:
-            raise ValueError("a grammar step variant needs the grammar table")
-        return (grammar_table,)
+    def _table_args(self, variant: StepVariant, grammar_table) -> tuple:
+        """The tables the variant reads, in make_step's order: the grammar table (only grammar variants take it: a
+        new table shape recompiles those steps alone), then the logit-bias table."""
+        tables = []
+        if variant.grammar:
+            if grammar_table is None:
+                raise ValueError("a grammar step variant needs the grammar table")
+            tables.append(grammar_table)
+        if variant.logit_bias:
+            tables.append(self.logit_bias_table)
+        return tuple(tables)
 
     def warmup(self, variants, grammar_table=None):
         """Compiles the step for every token bucket and these variants (all-padding inputs touch only the
@@ -214,7 +242,7 @@ class ModelRunner:
         """Bucket T's step lowered for this variant (jax.stages.Lowered: its HLO, its arguments)."""
         buf = jax.device_put(self.new_inputs(T).pack(), self.input_sharding)
         return self.step_fn(T, variant).lower(self.params, self.drafter_params, self.state, buf,
-                                              self.new_outbox(T, variant), *self._grammar_args(variant, grammar_table))
+                                              self.new_outbox(T, variant), *self._table_args(variant, grammar_table))
 
     def argument_buffers(self) -> int:
         """Buffers one step call passes: params, drafter params, decode state, the inbox, the outbox."""

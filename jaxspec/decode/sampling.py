@@ -62,6 +62,20 @@ class SamplingTensors:
         return jax.tree_util.tree_map(lambda a: jnp.asarray(a)[idx], self)
 
 
+def add_logit_bias(logits: jax.Array, ids: jax.Array, values: jax.Array) -> jax.Array:
+    """logits f32[R, V] or [R, K+1, V] plus each row's sparse bias (ids i32[R, B], values f32[R, B]; ids outside
+    [0, V), the padding, add nothing): the same bias at every position of a row. A scatter-add of R*B values,
+    so its cost does not grow with the vocabulary."""
+    logits = jnp.asarray(logits, jnp.float32)
+    v = logits.shape[-1]
+    ids = jnp.where((ids >= 0) & (ids < v), ids, v)   # v: dropped
+    rows = jnp.arange(ids.shape[0])[:, None]
+    if logits.ndim == 2:
+        return logits.at[rows, ids].add(values, mode="drop")
+    # [R, 1] and [R, B] around a slice index [R, B, K+1]: the update is broadcast over the positions
+    return logits.at[rows, :, ids].add(values[..., None], mode="drop")
+
+
 def token_counts(history: jax.Array, start: jax.Array, end: jax.Array, vocab_size: int) -> jax.Array:
     """Counts of history[n, start[n]:end[n]] per vocabulary id -> i32[N, V].
 

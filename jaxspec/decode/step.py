@@ -4,12 +4,14 @@
     forward   <- the target over prefill chunks, decode tokens and the drafts to verify
     grammar   <- structured outputs: each row's automaton state at each verified position (after the drafts
                  before it) and the tokens it allows there
-    logprobs  <- the processed distribution at each row's last real token and at every draft (grammar-masked)
+    logprobs  <- the processed distribution at each row's last real token and at every draft (logit bias,
+                 penalties, grammar mask, ...)
     emitted   <- sampled, or the drafts verified by rejection sampling
     state     <- committed: accepted counts, history, the automaton state after the emitted tokens (accepted
                  drafts and the correction or bonus, never a rejected draft); per-slot layer state was kept
                  by the forward
     drafts    <- the drafter proposes the next k per row (inside the grammar, for drafters that have logits)
+    prompt    <- prompt_logprobs steps: each token's log-softmax, read at the token after it, and the top-n
 
 Positions, input ids and the KV slot mapping come from the device's own counts, so the host can plan a step
 before it knows the previous step's accepted tokens. The step never branches on device data (on a GPU each
@@ -50,6 +52,10 @@ class StepVariant:
     penalties: bool = False     # some row has presence / frequency / repetition penalties
     logprobs: bool = False      # some row asks for logprobs
     grammar: bool = False       # some row's output is constrained (structured outputs): reads the automata table
+    logit_bias: bool = False    # some row has a logit bias: reads the logit-bias table
+    # some prefill row asks for its prompt's logprobs: logits at every token of the step, not only the sampled
+    # ones (set by the step builder from the prefill rows, not by `of`)
+    prompt_logprobs: bool = False
     drafts: int | None = None   # draft width (verified and proposed per row); None: StepConfig's K
 
     @staticmethod
@@ -59,13 +65,14 @@ class StepVariant:
         variant = StepVariant(
             sample=random, top_k_top_p=random and (p.top_k > 0 or p.top_p < 1.0),
             penalties=p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1,
-            logprobs=p.logprobs is not None, grammar=p.structured_outputs is not None)
+            logprobs=p.logprobs is not None, grammar=p.structured_outputs is not None,
+            logit_bias=bool(p.logit_bias))
         return _INTERNED.setdefault(variant, variant)   # requests that need the same share one object
 
     @staticmethod
     def union(variants) -> "StepVariant":
         """The variant covering all of these (a step's, from the rows that sample in it)."""
-        names = ("sample", "top_k_top_p", "penalties", "logprobs", "grammar")
+        names = ("sample", "top_k_top_p", "penalties", "logprobs", "grammar", "logit_bias")
         variants = list({id(v): v for v in variants}.values())   # a step's rows share a few (interned by `of`)
         return StepVariant(**{n: any(getattr(v, n) for v in variants) for n in names})
 
@@ -111,18 +118,21 @@ class DraftContext:
     keys: Any                  # [R, K] PRNG keys of the draft positions, for drafts drawn by sampling
     variant: StepVariant = StepVariant()
     grammar: Any = None        # grammar.DraftGrammar when some row is constrained: propose inside the grammar
+    logit_bias: Any = None     # (ids i32[R, B], values f32[R, B]) when some row has a logit bias: added to the
+                               # draft logits as to the target's, so biased drafts are proposed (and accepted)
 
 
 def step(target, drafter, sc: StepConfig, variant: StepVariant, params, drafter_params, state: DecodeState,
-         inp: DeviceInputs, grammar_table=None):
+         inp: DeviceInputs, grammar_table=None, logit_bias_table=None):
     K, V = variant.draft_width(sc), target.config.vocab_size
     tok = tokens_from_state(sc, K, state, inp, V)
     aux_layers = drafter.aux_layers if drafter is not None else ()
     logits, hidden, aux, layers = target.forward(params, state.layers, tok.batch, aux_layers)
     raw_logits = logits.reshape(-1, K + 1, V)                                               # [R, K+1, V]
     st = sampling_tensors(inp)
+    bias = row_logit_bias(logit_bias_table, tok.slot, inp) if variant.logit_bias else None
     positions = grammar_positions(grammar_table, state, tok, inp, V) if variant.grammar else None
-    logprobs = target_distributions(variant, raw_logits, tok, inp, st, positions)          # [R, K+1, V]
+    logprobs = target_distributions(variant, raw_logits, tok, inp, st, positions, bias)    # [R, K+1, V]
     keys = verify_keys(inp, tok.base, K + 1)                                                # [R, K+1]
     emitted, num_accepted = sample_or_verify(variant, logprobs, st, tok.draft_ids, inp.rows["num_drafts"],
                                              draft_logprobs(state, tok.slot, drafter, K), keys)
@@ -139,14 +149,15 @@ def step(target, drafter, sc: StepConfig, variant: StepVariant, params, drafter_
                            new_slot=inp.rows["new_slot"] > 0,
                            first_token=inp.rows["first_token"], sampling=st,
                            keys=draft_keys(inp, num_tokens, K) if K else None, variant=variant,
-                           grammar=draft_grammar)
+                           grammar=draft_grammar, logit_bias=bias)
         drafter_state, drafts = drafter.propose(drafter_params, state.drafter, ctx)   # K = 0: its state only
         state = state.replace(drafter=drafter_state)
         if K:   # a narrower step writes the first K of the slot's drafts
             cols = slice(None) if K == state.drafts.shape[1] else slice(0, K)
             state = state.replace(drafts=state.drafts.at[tok.slot, cols].set(drafts.astype(jnp.int32)))
+    prompt = prompt_logprobs(target, params, hidden, tok, inp, sc) if variant.prompt_logprobs else None
     return state, outputs(variant, raw_logits if sc.logprobs_mode == "raw_logprobs" else logprobs, emitted,
-                          num_accepted)
+                          num_accepted, prompt)
 
 
 # ---- the phases --------------------------------------------------------------------------------------------
@@ -189,13 +200,25 @@ def sampling_tensors(inp: DeviceInputs) -> sampling.SamplingTensors:
         repetition_penalty=r["repetition_penalty"])
 
 
-def target_distributions(variant: StepVariant, logits, tok: Tokens, inp: DeviceInputs, st, grammar=None):
-    """logits [R, K+1, V] -> what rows sample from: penalties, then the grammar (tokens its automaton state
+def row_logit_bias(table, slot, inp: DeviceInputs):
+    """Each row's logit bias from its slot's row of the table (i32[slots+1, 2, B]: token ids, -1 padding, then the
+    values' bits) -> (ids i32[R, B], values f32[R, B]). A row whose request has no bias adds zeros (its slot's row
+    may be a former request's)."""
+    rows = table[slot]                                                                       # [R, 2, B]
+    values = jax.lax.bitcast_convert_type(rows[:, 1], jnp.float32)
+    return rows[:, 0], jnp.where(inp.rows["logit_bias"][:, None] > 0, values, 0.0)
+
+
+def target_distributions(variant: StepVariant, logits, tok: Tokens, inp: DeviceInputs, st, grammar=None, bias=None):
+    """logits [R, K+1, V] -> what rows sample from: the logit bias (as vLLM, before the penalties), penalties,
+    then the grammar (tokens its automaton state
     does not allow at that position masked), then min_tokens (stop ids masked while the output is shorter; not
     where the grammar allows nothing else), then temperature / top-k / top-p / min-p. All-greedy steps keep
     the logits (their argmax is all that is needed)."""
     R, K1, V = logits.shape
     prompt_len = inp.rows["prompt_len"]
+    if bias is not None:
+        logits = sampling.add_logit_bias(logits, *bias)
     if variant.penalties:
         logits = _penalize(logits, tok.history, tok.slot, prompt_len, tok.base, tok.draft_ids, st, V)
     generated = tok.base[:, None] + jnp.arange(K1)[None, :] - prompt_len[:, None]            # [R, K+1]
@@ -346,11 +369,45 @@ def commit(sc: StepConfig, K: int, state: DecodeState, tok: Tokens, inp: DeviceI
     return state, emitted, num_accepted, num_tokens, last_final
 
 
-def outputs(variant: StepVariant, logits, emitted, num_accepted) -> dict:
+# Prompt logprobs are computed over this many of the step's tokens at a time: the logits of a whole step (512 tokens
+# x a 150k vocabulary is 300 MB in float32) are never held at once.
+PROMPT_LOGPROBS_CHUNK = 64
+
+
+def prompt_logprobs(target, params, hidden, tok: Tokens, inp: DeviceInputs, sc: StepConfig) -> dict:
+    """For every token of the step, the raw log-softmax of its logits read at the token after it in its sequence
+    (from the device history, where the host wrote the whole prompt when the request took its slot), that token's
+    rank, and the top MAX_LOGPROBS -> prompt_logprob f32[T], prompt_rank i32[T], prompt_top_ids i32[T, n],
+    prompt_top_logprobs f32[T, n]. The host keeps the entries of rows that asked (prompt positions only)."""
+    T, D = hidden.shape
+    H = sc.history_len
+    tslot = tok.slot[inp.tokens["row"]]
+    next_ids = tok.history[tslot, jnp.clip(tok.batch.positions + 1, 0, H - 1)]
+    next_ids = jnp.where(tok.valid, next_ids, -1)
+    C = min(T, PROMPT_LOGPROBS_CHUNK)
+    n = -(-T // C)
+    h = jnp.pad(hidden, ((0, n * C - T), (0, 0))).reshape(n, C, D)
+    ids = jnp.pad(next_ids, (0, n * C - T), constant_values=-1).reshape(n, C)
+
+    def chunk(args):
+        h, ids = args
+        lp = jax.nn.log_softmax(target.logits(params, h, target.ops), axis=-1)                  # [C, V]
+        ok = (ids >= 0) & (ids < lp.shape[-1])
+        tok_lp = jnp.take_along_axis(lp, jnp.where(ok, ids, 0)[:, None], axis=-1)[:, 0]
+        rank = 1 + jnp.sum(lp > tok_lp[:, None], axis=-1, dtype=jnp.int32)
+        top_lp, top_ids = jax.lax.top_k(lp, MAX_LOGPROBS)
+        return jnp.where(ok, tok_lp, -jnp.inf), rank, top_ids.astype(jnp.int32), top_lp
+
+    names = ("prompt_logprob", "prompt_rank", "prompt_top_ids", "prompt_top_logprobs")
+    chunks = jax.lax.map(chunk, (h, ids))
+    return {name: x.reshape(n * C, *x.shape[2:])[:T] for name, x in zip(names, chunks)}
+
+
+def outputs(variant: StepVariant, logits, emitted, num_accepted, prompt: dict | None = None) -> dict:
     """One array back to the host per step: the emitted tokens, the accepted count in the last column; the
     logprobs arrays when a row asked for them, the log-softmax of `logits` [R, K+1, V] at each position (the
-    raw logits or the processed distribution: StepConfig.logprobs_mode)."""
-    out = {"tokens": jnp.concatenate([emitted, num_accepted[:, None]], axis=1)}
+    raw logits or the processed distribution: StepConfig.logprobs_mode); `prompt`: the prompt-logprobs arrays."""
+    out = {"tokens": jnp.concatenate([emitted, num_accepted[:, None]], axis=1), **(prompt or {})}
     if variant.logprobs:
         R, K1, V = logits.shape
         tok_lp, top_ids, top_lp = sampling.topn_logprobs(logits.reshape(R * K1, V), emitted.reshape(-1),
@@ -360,25 +417,34 @@ def outputs(variant: StepVariant, logits, emitted, num_accepted) -> dict:
     return out
 
 
-def output_shapes(variant: StepVariant, sc: StepConfig, num_rows: int, vocab_size: int) -> dict:
-    """The shapes and dtypes of a step's outputs (`outputs`), without tracing the step."""
+def output_shapes(variant: StepVariant, sc: StepConfig, num_rows: int, vocab_size: int, num_tokens: int = 0) -> dict:
+    """The shapes and dtypes of a step's outputs (`outputs`) for `num_tokens` tokens, without tracing the step."""
     K1 = variant.draft_width(sc) + 1
     sds = jax.ShapeDtypeStruct
-    return jax.eval_shape(functools.partial(outputs, variant), sds((num_rows, K1, vocab_size), jnp.float32),
-                          sds((num_rows, K1), jnp.int32), sds((num_rows,), jnp.int32))
+    shapes = jax.eval_shape(functools.partial(outputs, variant), sds((num_rows, K1, vocab_size), jnp.float32),
+                            sds((num_rows, K1), jnp.int32), sds((num_rows,), jnp.int32))
+    if variant.prompt_logprobs:
+        T, n = num_tokens, MAX_LOGPROBS
+        shapes.update(prompt_logprob=sds((T,), jnp.float32), prompt_rank=sds((T,), jnp.int32),
+                      prompt_top_ids=sds((T, n), jnp.int32), prompt_top_logprobs=sds((T, n), jnp.float32))
+    return shapes
 
 
 def make_step(target, drafter, sc: StepConfig, num_tokens: int, num_rows: int, variant: StepVariant = StepVariant(),
               out_shardings=None, compiler_options: dict | None = None):
     """The jitted step of one bucket and variant: (params, drafter params, state, inbox, outbox[, grammar
-    table]) -> (state, outbox). `inbox` holds the packed host inputs; `outbox` (shaped as `output_shapes`)
-    receives the outputs. State and outbox are donated, so every buffer the step reads or writes keeps its
-    address from call to call (the KV pool is updated in place, and a CUDA graph of the step never needs
+    table][, logit-bias table]) -> (state, outbox). `inbox` holds the packed host inputs; `outbox` (shaped as
+    `output_shapes`) receives the outputs. State and outbox are donated, so every buffer the step reads or writes
+    keeps its address from call to call (the KV pool is updated in place, and a CUDA graph of the step never needs
     re-recording). `out_shardings`: (the state's, the outputs') under tensor parallelism; `compiler_options`:
     XLA options for this bucket's compile (Ops.compiler_options)."""
-    def packed_step(params, drafter_params, state, inbox, outbox, grammar_table=None):
+    def packed_step(params, drafter_params, state, inbox, outbox, *tables):
         del outbox   # only its buffers are used: the outputs are written into them (donated, aliased)
         inp = unpack(inbox, num_tokens, num_rows, sc.max_blocks_per_seq)
-        return step(target, drafter, sc, variant, params, drafter_params, state, inp, grammar_table)
+        tables = iter(tables)   # the variant's tables, in this order (ModelRunner._table_args)
+        grammar_table = next(tables) if variant.grammar else None
+        logit_bias_table = next(tables) if variant.logit_bias else None
+        return step(target, drafter, sc, variant, params, drafter_params, state, inp, grammar_table,
+                    logit_bias_table)
     return jax.jit(packed_step, donate_argnums=(2, 4), keep_unused=True,   # the unused outbox: aliased, not pruned
                    out_shardings=out_shardings, compiler_options=compiler_options or None)

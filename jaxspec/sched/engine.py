@@ -32,7 +32,8 @@ from jaxspec.sched.adaptive import KChooser
 from jaxspec.sched.block_manager import BlockManager
 from jaxspec.sched.config import EngineConfig
 from jaxspec.sched.intake import Intake
-from jaxspec.sched.output import confirm_tokens, render_texts, row_logprobs, take_delta
+from jaxspec.sched.output import (PROMPT_LOGPROB_ARRAYS, confirm_tokens, record_prompt_logprobs, render_texts,
+                                  row_logprobs, take_delta)
 from jaxspec.sched.request import Request
 from jaxspec.sched.scheduler import Scheduler
 from jaxspec.sched.stats import EngineCounts
@@ -256,6 +257,8 @@ class Engine:
             tokens = np.asarray(out["tokens"])         # [R, K+2]: emitted tokens, then the accepted count
             lp = ({k: np.asarray(out[k]) for k in ("logprob", "top_ids", "top_logprobs")}
                   if plan.variant.logprobs else None)
+            prompt_lp = ({k: np.asarray(out[k]) for k in PROMPT_LOGPROB_ARRAYS}
+                         if plan.variant.prompt_logprobs else None)
         t1 = time.perf_counter()
         if self.k_chooser is not None:
             self._observe(rec, tokens[:, -1], t1)
@@ -265,12 +268,16 @@ class Engine:
         rows_tokens = tokens.tolist()   # Python ints, read once: no per-row array indexing below
         now = time.perf_counter()      # the arrival time of every token this step confirms
         live, sampled = [], []
+        first_token = 0   # the row's first token in the step (rows' tokens are laid out in row order)
         for r, (row, row_tokens) in enumerate(zip(plan.rows, rows_tokens)):
             req, n_acc = row.request, row_tokens[-1]
+            first_token += row.num_new
             self.scheduler.settle(row, n_acc)
             if req.finished:
                 continue  # finished one step ago: this step's result for it is dropped
             live.append(row)
+            if prompt_lp is not None and row.start >= 0 and req.needs_prompt_logprobs:
+                record_prompt_logprobs(req, row.start, first_token - row.num_new, row.num_new, prompt_lp)
             if row.num_drafts:
                 self.counts.count_drafts(req, row.num_drafts, n_acc)
             if row.sample:

@@ -16,6 +16,7 @@ import threading
 import numpy as np
 
 from jaxspec.decode.inputs import MAX_STOP_IDS, request_values
+from jaxspec.decode.runner import logit_bias_row
 from jaxspec.decode.step import StepVariant
 from jaxspec.sampling_params import SamplingParams
 from jaxspec.sched.request import Request
@@ -63,6 +64,9 @@ class Intake:
         bad = [t for t in params.stop_token_ids if not 0 <= t < v]
         if bad:
             raise ValueError(f"SamplingParams.stop_token_ids has ids {bad[:5]} outside the vocabulary [0, {v})")
+        bad = [t for t in (params.logit_bias or ()) if not 0 <= t < v]
+        if bad:
+            raise ValueError(f"SamplingParams.logit_bias has token ids {bad[:5]} outside the vocabulary [0, {v})")
         grammar = (self.compile_structured(params.structured_outputs)
                    if params.structured_outputs is not None else None)
         if n + max(1, params.min_tokens) > sc.max_model_len:
@@ -105,6 +109,7 @@ class Intake:
             request_id = request_id if request_id is not None else str(next(self._ids))
             seeds = [sp.seed if sp.seed is not None else int(self._rng.integers(0, 2**31 - 1))
                      for sp in map(params.for_completion, range(params.n))]
+        bias_row = logit_bias_row(params.logit_bias) if params.logit_bias else None
         group = []
         for index, seed in enumerate(seeds):
             sp = params.for_completion(index)
@@ -116,6 +121,9 @@ class Intake:
             req.row_ints, req.row_floats = request_values(req, self.vocab_size)
             req.step_variant = StepVariant.of(sp)
             req.grammar = grammar
+            req.logit_bias_row = bias_row
+            if sp.prompt_logprobs is not None and index == 0:   # siblings share the prompt: one computes them
+                req.prompt_logprobs = [None]
             if outputs is not None:
                 req.outputs, req.stream_text = outputs, True
             if group and self.share_prompt_blocks:

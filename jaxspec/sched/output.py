@@ -33,6 +33,9 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
+    # SamplingParams.prompt_logprobs: None for the first prompt token, then per prompt token {"token_id",
+    # "logprob", "rank", "top": [(token_id, logprob), ...]}. A stream carries them in its first delta.
+    prompt_logprobs: list | None = None
 
     @property
     def text(self) -> str:
@@ -60,7 +63,9 @@ def merge_completions(parts: list[RequestOutput]) -> RequestOutput:
     outputs = sorted((o for p in parts for o in p.outputs), key=lambda o: o.index)
     first = parts[0]
     return RequestOutput(first.request_id, first.prompt, first.prompt_token_ids, outputs,
-                         finished=all(o.finished for o in outputs))
+                         finished=all(o.finished for o in outputs),
+                         prompt_logprobs=next((p.prompt_logprobs for p in parts if p.prompt_logprobs is not None),
+                                              None))
 
 
 class AsyncSink:
@@ -117,6 +122,24 @@ def confirm_tokens(req: Request, tokens: list[int], max_model_len: int, logprobs
     return tokens
 
 
+# The step's prompt-logprobs outputs (decode.step.prompt_logprobs), per token of the step.
+PROMPT_LOGPROB_ARRAYS = ("prompt_logprob", "prompt_rank", "prompt_top_ids", "prompt_top_logprobs")
+
+
+def record_prompt_logprobs(req: Request, start: int, first_token: int, num_new: int, arrays: dict):
+    """A prefill row's prompt logprobs: its token at position q (step token first_token + q - start) gives the
+    entry of prompt position q + 1. Only positions not recorded yet are taken (a preempted request prefills its
+    prompt again)."""
+    prompt, n_top = req.prompt_token_ids, req.params.prompt_logprobs
+    for q in range(max(start, len(req.prompt_logprobs) - 1), min(start + num_new, len(prompt) - 1)):
+        t = first_token + q - start
+        req.prompt_logprobs.append({
+            "token_id": prompt[q + 1], "logprob": float(arrays["prompt_logprob"][t]),
+            "rank": int(arrays["prompt_rank"][t]),
+            "top": list(zip(arrays["prompt_top_ids"][t, :n_top].tolist(),
+                            arrays["prompt_top_logprobs"][t, :n_top].tolist()))})
+
+
 def row_logprobs(lp: dict, r: int, n: int, n_top: int | None) -> list | None:
     """Row r's first n positions of a step's logprobs arrays (`logprob`, `top_ids`, `top_logprobs`), with the
     n_top most likely tokens at each; None for a request that asked for no logprobs (n_top None)."""
@@ -133,6 +156,13 @@ def renders_text(req: Request, tokenizer) -> bool:
     return tokenizer is not None and (req.stream_text or bool(req.params.stop))
 
 
+def decode_options(req: Request) -> dict:
+    """How the request's tokens become text (SamplingParams.skip_special_tokens, spaces_between_special_tokens)."""
+    p = req.params
+    return {"skip_special_tokens": p.skip_special_tokens,
+            "spaces_between_special_tokens": p.spaces_between_special_tokens}
+
+
 def render_texts(reqs: list[Request], tokenizer):
     """Brings each request's text up to its confirmed tokens: incremental detokenization of the requests that
     render text (one `decode_batch` for all of them), then stop strings, which end a request and cut its text
@@ -142,7 +172,9 @@ def render_texts(reqs: list[Request], tokenizer):
     old_reads = [req.detok_read for req in rendering]
     windows = [_detok_window(req, _text_ids(req)) for req in rendering]
     live = [w for w in windows if w is not None]
-    texts = iter(tokenizer.decode_batch([ids for w in live for ids in w[:2]], skip_special_tokens=True)
+    skips = [req.params.skip_special_tokens for req, w in zip(rendering, windows) if w is not None]
+    texts = iter(tokenizer.decode_batch([ids for w in live for ids in w[:2]],
+                                        skip_special_tokens=[skip for skip in skips for _ in range(2)])
                  if live else [])
     for req, old_len, old_read, window in zip(rendering, old_lens, old_reads, windows):
         if window is not None:
@@ -152,7 +184,8 @@ def render_texts(reqs: list[Request], tokenizer):
             search_from = max(0, old_len - max(map(len, p.stop)))
             hit = _first_stop(req.text, p.stop, search_from)
             if hit is not None:
-                req.text = req.text[:hit]
+                at, stop = hit
+                req.text = req.text[:at + len(stop) if p.include_stop_str_in_output else at]
                 req.finish_reason = "stop"
                 _drop_tokens_past_stop(req, tokenizer, search_from, old_read)
     for req in reqs:
@@ -166,15 +199,18 @@ def _drop_tokens_past_stop(req: Request, tokenizer, search_from: int, rendered: 
     too); `rendered`: output tokens whose text was searched in earlier steps."""
     ids, p = req.output_token_ids, req.params
     for n in range(max(rendered + 1, p.min_tokens, 1), len(ids)):
-        if _first_stop(tokenizer.decode(ids[:n], skip_special_tokens=True), p.stop, search_from) is not None:
+        if _first_stop(tokenizer.decode(ids[:n], **decode_options(req)), p.stop, search_from) is not None:
             del ids[n:], req.logprobs[n:], req.token_times[n:], req.inter_token_latencies[max(n - 1, 0):]
             req.detok_prefix, req.detok_read = min(req.detok_prefix, n), min(req.detok_read, n)
             return
 
 
 def _text_ids(req: Request) -> list[int]:
-    """The output ids that make up the text: a final stop token is not part of it."""
+    """The output ids that make up the text: a final stop token is not part of it, unless
+    include_stop_str_in_output (then its text is, when it is not a special token skipped anyway)."""
     ids, p = req.output_token_ids, req.params
+    if p.include_stop_str_in_output:
+        return ids
     if req.finish_reason == "stop" and ids and (ids[-1] in req.eos_token_ids or ids[-1] in p.stop_token_ids):
         return ids[:-1]
     return ids
@@ -185,7 +221,7 @@ def final_text(req: Request, tokenizer) -> str:
     strings (those render it every step), so otherwise it is decoded once, when the request ends."""
     if tokenizer is not None and req.finish_reason and not req.text and req.output_token_ids and not (
             req.stream_text or req.params.stop):
-        req.text = tokenizer.decode(_text_ids(req), skip_special_tokens=True)
+        req.text = tokenizer.decode(_text_ids(req), **decode_options(req))
     return req.text
 
 
@@ -206,9 +242,10 @@ def _advance_text(req: Request, prefix: str, full: str, num_ids: int):
         req.detok_prefix, req.detok_read = req.detok_read, num_ids
 
 
-def _first_stop(text: str, stops: list[str], search_from: int) -> int | None:
-    found = [i for i in (text.find(s, search_from) for s in stops) if i >= 0]
-    return min(found) if found else None
+def _first_stop(text: str, stops: list[str], search_from: int) -> tuple[int, str] | None:
+    """(where, which) of the stop string found first in text[search_from:], or None."""
+    found = [(i, s) for i, s in ((text.find(s, search_from), s) for s in stops) if i >= 0]
+    return min(found, key=lambda f: f[0]) if found else None
 
 
 def request_output(req: Request, tokenizer, delta_from: tuple[int, int] = (0, 0), text_end: int | None = None):
@@ -220,7 +257,7 @@ def request_output(req: Request, tokenizer, delta_from: tuple[int, int] = (0, 0)
         metrics=request_metrics(req))
     return RequestOutput(request_id=req.parent_id if req.parent_id is not None else req.request_id,
                          prompt=req.prompt, prompt_token_ids=req.prompt_token_ids, outputs=[completion],
-                         finished=req.finished)
+                         finished=req.finished, prompt_logprobs=req.prompt_logprobs if delta_from == (0, 0) else None)
 
 
 def take_delta(req: Request, tokenizer) -> RequestOutput | None:
@@ -230,7 +267,9 @@ def take_delta(req: Request, tokenizer) -> RequestOutput | None:
     n_tok, n_chr = req.sent
     if not req.finished and len(req.output_token_ids) == n_tok:
         return None
-    hold = 0 if req.finished or not req.params.stop else max(map(len, req.params.stop)) - 1
+    # (with include_stop_str_in_output nothing is held: text before a stop string's end is all kept)
+    p = req.params
+    hold = 0 if req.finished or not p.stop or p.include_stop_str_in_output else max(map(len, p.stop)) - 1
     n_chr_now = max(n_chr, len(req.text) - hold)
     req.sent = (len(req.output_token_ids), n_chr_now)
     return request_output(req, tokenizer, (n_tok, n_chr), n_chr_now)

@@ -30,6 +30,7 @@ class Request:
     row_floats: tuple = ()          # ... and floats
     step_variant: Any = None        # decode.step.StepVariant: what this request needs of a compiled step
     grammar: Any = None             # structured outputs: its compiled TokenAutomaton (jaxspec.structured)
+    logit_bias_row: Any = None      # its row of the device's logit-bias table (decode.runner.logit_bias_row), or None
     arrival_time: float = dataclasses.field(default_factory=time.perf_counter)
 
     status: Status = Status.WAITING
@@ -57,6 +58,10 @@ class Request:
     detok_prefix: int = 0            # incremental detokenization window over output_token_ids
     detok_read: int = 0
     logprobs: list = dataclasses.field(default_factory=list)
+    # SamplingParams.prompt_logprobs: None for the prompt's first token, then per prompt token
+    # {"token_id", "logprob", "rank", "top": [(token_id, logprob), ...]}; filled as its prefill steps are read
+    # (the first completion of a group only: its siblings share the prompt). None: not asked.
+    prompt_logprobs: list | None = None
     first_token_time: float | None = None
     token_times: list[float] = dataclasses.field(default_factory=list)
     # gaps between consecutive token_times, kept as tokens arrive: each streamed delta's metrics copy it
@@ -74,6 +79,12 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Its prompt logprobs are not all computed yet: its prefill must compute every prompt position (no cached
+        prefix) with the step's prompt-logprobs variant."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids)
 
     @property
     def prefilling(self) -> bool:

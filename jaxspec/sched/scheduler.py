@@ -87,7 +87,8 @@ class Scheduler:
         prefix the cache holds; None (nothing taken) when its blocks do not fit."""
         prefill = req.prompt_token_ids + req.output_token_ids
         req.block_hashes = []
-        cached = self.blocks.match_prefix(prefill, req.block_hashes)
+        # A request still needing prompt logprobs computes every prompt position: no cached prefix (as vLLM)
+        cached = [] if req.needs_prompt_logprobs else self.blocks.match_prefix(prefill, req.block_hashes)
         start = len(cached) * self.blocks.block_size
         num_new = min(len(prefill) - start, budget)
         lookahead = self.draft_lookahead if start + num_new == len(prefill) else 0

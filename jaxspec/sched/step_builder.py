@@ -56,6 +56,7 @@ class StepBuilder:
         for r, row in enumerate(rows):
             if row.new_slot:   # the request's first step in its slot: its fixed values go in the slot's table row
                 self._write_slot_values(row.request)
+                self._write_slot_tables(row.request)
             if row.token_ids:
                 tokens["token_id"][first[r]:first[r] + row.num_new] = row.token_ids
             if row.cached_ids:
@@ -69,6 +70,8 @@ class StepBuilder:
         inp.block_tables[:n][np.arange(inp.block_tables.shape[1]) < lengths[:, None]] = list(
             itertools.chain.from_iterable(block_ids))   # row-major: each row's blocks, then padding
         variant = StepVariant.union([row.request.step_variant for row in rows if row.sample])
+        if any(row.start >= 0 and row.request.needs_prompt_logprobs for row in rows):
+            variant = dataclasses.replace(variant, prompt_logprobs=True)
         width, proposed = self._draft_width(rows, index)
         if width != self.step_config.num_speculative_tokens:
             variant = dataclasses.replace(variant, drafts=width)
@@ -81,6 +84,15 @@ class StepBuilder:
         self._slot_floats[req.slot] = req.row_floats
         self._slot_stop_ids[req.slot] = -1
         self._slot_stop_ids[req.slot, :len(req.min_tokens_stop_ids)] = req.min_tokens_stop_ids
+
+    def _write_slot_tables(self, req: Request):
+        """The device tables a request reads by its slot: its logit-bias row, and for prompt logprobs the whole
+        prompt in the slot's history (each prompt token's logprob is read at the token after it, which for a
+        chunk's last token is in the next chunk)."""
+        if req.logit_bias_row is not None:
+            self.runner.write_logit_bias(req.slot, req.logit_bias_row)
+        if req.needs_prompt_logprobs:
+            self.runner.write_history(req.slot, req.prompt_token_ids)
 
     def _step_row_values(self, rows: list[ScheduledRow], slots: list[int], counts: np.ndarray,
                          first: list[int]) -> np.ndarray:

@@ -26,8 +26,10 @@ from jaxspec.sched.output import AsyncSink, CompletionOutput, request_output
 from jaxspec.serve import tokenize
 from jaxspec.serve.http import HTTPOptions, install
 from jaxspec.serve.metrics import ServerMetrics
+from jaxspec.serve.options import ServeOptions
 from jaxspec.serve.protocol import ChatCompletionRequest, CompletionRequest
 from jaxspec.structured.compile_pool import CompileUnavailable
+from jaxspec.serve.tools import ToolAnswer, plan_tools
 
 # Put on a request's output queue when its client disconnects: its reader stops at once.
 CLIENT_GONE = object()
@@ -65,6 +67,8 @@ class Completions:
             raise APIError(503, str(e), "ServiceUnavailableError") from None
         self.requests = [r for g in groups for r in g]
         self.prompt_tokens = [len(g[0].prompt_token_ids) for g in groups]
+        self.group_size = len(groups[0])                 # choices per prompt (SamplingParams.n)
+        self.prompt_logprobs: dict[int, list] = {}       # prompt index -> its prompt logprobs, once they came
         # a completion's position among all of this HTTP request's choices
         self.choice = {(r.parent_id or r.request_id, r.index): p * len(g) + r.index
                        for p, g in enumerate(groups) for r in g}
@@ -85,6 +89,8 @@ class Completions:
                     return
                 completion = out.outputs[0]
                 choice = self.choice[(out.request_id, completion.index)]
+                if out.prompt_logprobs is not None:
+                    self.prompt_logprobs[choice // self.group_size] = out.prompt_logprobs
                 if completion.finished:
                     self.pending.discard(choice)
                     self._record(choice, completion)
@@ -140,8 +146,9 @@ class Completions:
 
 
 class Server:
-    def __init__(self, llm, model_name: str, api_key: str | None = None):
+    def __init__(self, llm, model_name: str, api_key: str | None = None, options: ServeOptions | None = None):
         self.llm, self.model_name, self.api_key = llm, model_name, api_key
+        self.options = options or ServeOptions()
         self.metrics = ServerMetrics(llm.engine, model_name)
         self.max_model_len = llm.engine.step_config.max_model_len
         self.created = int(time.time())
@@ -200,40 +207,94 @@ class Server:
         tok = self.llm.tokenizer
         return tok.decode([token_id]) if tok is not None else str(token_id)
 
-    def completion_logprobs(self, entries: list, offset: int) -> dict:
-        """OpenAI's completions logprobs: tokens, their logprobs, the top alternatives, text offsets."""
+    def completion_logprobs(self, entries: list, offset: int, as_ids: bool | None = None) -> dict:
+        """OpenAI's completions logprobs: tokens, their logprobs, the top alternatives, text offsets. An entry
+        whose logprob is None (an echoed prompt's first token, which nothing precedes) has no logprob and no top."""
+        name = _token_id_name if as_ids else self.token_text   # return_tokens_as_token_ids: "token_id:<id>"
         tokens, lps, tops, offsets = [], [], [], []
         for e in entries:
-            text = self.token_text(e["token_id"])
+            text = name(e["token_id"])
             tokens.append(text)
-            lps.append(_json_logprob(e["logprob"]))
-            tops.append({self.token_text(t): _json_logprob(lp) for t, lp in e["top"]})
+            lps.append(None if e["logprob"] is None else _json_logprob(e["logprob"]))
+            tops.append(None if e["top"] is None else {name(t): _json_logprob(lp) for t, lp in e["top"]})
             offsets.append(offset)
             offset += len(text)
         return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
-    def chat_logprobs(self, entries: list) -> dict:
+    def chat_logprobs(self, entries: list, as_ids: bool | None = None) -> dict:
+        name = _token_id_name if as_ids else self.token_text   # return_tokens_as_token_ids: "token_id:<id>"
+
         def item(token_id, lp):
-            text = self.token_text(token_id)
+            text = name(token_id)
             return {"token": text, "logprob": _json_logprob(lp), "bytes": list(text.encode("utf-8"))}
         return {"content": [{**item(e["token_id"], e["logprob"]),
                              "top_logprobs": [item(t, lp) for t, lp in e["top"]]} for e in entries]}
 
+    def prompt_logprobs_json(self, entries: list | None) -> list | None:
+        """vLLM's `prompt_logprobs`: None for the first prompt token, then per token {token id: {"logprob", "rank",
+        "decoded_token"}} for the token itself and the top alternatives."""
+        if entries is None:
+            return None
+        out = []
+        for e in entries:
+            if e is None:
+                out.append(None)
+                continue
+            ranked = {t: (lp, rank) for rank, (t, lp) in enumerate(e["top"], 1)}
+            ranked[e["token_id"]] = (e["logprob"], e["rank"])
+            out.append({str(t): {"logprob": _json_logprob(lp), "rank": rank, "decoded_token": self.token_text(t)}
+                        for t, (lp, rank) in ranked.items()})
+        return out
+
+    def echo_entries(self, prompt_ids: list[int], prompt_logprobs: list | None) -> list:
+        """The logprob entries of an echoed prompt: its first token has none; each other token its logprob and
+        the top alternatives with itself among them (as vLLM's echo)."""
+        entries = [{"token_id": prompt_ids[0], "logprob": None, "top": None}]
+        for t, e in zip(prompt_ids[1:], (prompt_logprobs or [None])[1:]):
+            top = list(e["top"]) + ([] if any(i == t for i, _ in e["top"]) else [(t, e["logprob"])])
+            entries.append({"token_id": t, "logprob": e["logprob"], "top": top})
+        return entries
+
+    def continuous_usage(self, body, job: Completions, choice: int, completion_tokens: dict) -> dict | None:
+        """stream_options.continuous_usage_stats: each chunk's usage, its choice's tokens so far (as vLLM)."""
+        so = body.stream_options
+        if not (so and so.include_usage and so.continuous_usage_stats):
+            return None
+        prompt, done = job.prompt_tokens[choice // job.group_size], completion_tokens.get(choice, 0)
+        return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
+
     # ---- endpoints ---------------------------------------------------------------------------------
+    def encode_completion_prompt(self, prompt, index: int, add_special_tokens: bool) -> tuple[list[int], str]:
+        """(token ids, text): the text is the prompt's, or for token ids their decoding (what echo shows)."""
+        ids, text = self.llm.encode_prompt(prompt, index)
+        if text is not None and not add_special_tokens:
+            ids = self.llm.tokenizer.encode(text, add_special_tokens=False)
+        if text is None:
+            text = self.llm.tokenizer.decode(ids, skip_special_tokens=False) if self.llm.tokenizer is not None else ""
+        return ids, text
+
     async def completions(self, body: CompletionRequest, http: Request):
         self.check_model(body.model)
-        if body.echo or body.suffix or (body.best_of not in (None, body.n)):
-            raise APIError(400, "echo, suffix and best_of are not supported", param="echo")
+        if body.suffix or (body.best_of not in (None, body.n)):
+            raise APIError(400, "suffix and best_of (other than n) are not supported",
+                           param="suffix" if body.suffix else "best_of")
+        # echo with max_tokens 0 scores the prompt alone (lm-eval's loglikelihood): one token is generated and
+        # dropped, as vLLM does
+        echo_only = body.echo and body.max_tokens == 0
         try:
-            prompts = body.prompts()
-            encoded_len = max(len(self.llm.encode_prompt(p)[0]) for p in prompts)
-            self.check_length(encoded_len, body.max_tokens)
-            params = body.sampling_params(body.max_tokens, self.max_model_len - encoded_len, body.logprobs)
+            encoded = [self.encode_completion_prompt(p, i, body.add_special_tokens)
+                       for i, p in enumerate(body.prompts())]
+            encoded_len = max(len(ids) for ids, _ in encoded)
+            max_tokens = 1 if echo_only else body.max_tokens
+            self.check_length(encoded_len, max_tokens)
+            params = body.sampling_params(max_tokens, self.max_model_len - encoded_len, body.logprobs,
+                                          self.options.max_logprobs, prompt_logprobs=body.echo_prompt_logprobs())
         except ValueError as e:
             raise APIError(400, str(e)) from None
         await self.compile_constraint(params)
-        job = Completions(self, prompts, params, http)
+        job = Completions(self, [{"prompt_token_ids": ids} for ids, _ in encoded], params, http)
         rid, created = f"cmpl-{http.state.request_id}", int(time.time())
+        as_ids = body.return_tokens_as_token_ids
 
         def chunk(choices, usage=None):
             out = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
@@ -242,45 +303,75 @@ class Server:
                 out["usage"] = usage
             return out
 
+        def choice_json(index: int, c: CompletionOutput, first: bool, offset: int) -> dict:
+            """A choice (whole, or a streamed delta; `first`: its first, which carries the echoed prompt)."""
+            if echo_only:
+                c = CompletionOutput(c.index, "", [], c.finish_reason, [] if c.logprobs is not None else None)
+            prompt_ids, prompt_text = encoded[index // job.group_size]
+            text, entries = c.text, _with_ids(c) if c.logprobs is not None else None
+            if body.echo and first:
+                text = prompt_text + text
+                if entries is not None:
+                    entries = self.echo_entries(prompt_ids, job.prompt_logprobs.get(index // job.group_size)) + entries
+            out = {"index": index, "text": text, "finish_reason": c.finish_reason,
+                   "logprobs": self.completion_logprobs(entries, offset, as_ids) if entries is not None else None}
+            if first and body.prompt_logprobs is not None:
+                out["prompt_logprobs"] = self.prompt_logprobs_json(job.prompt_logprobs.get(index // job.group_size))
+            if body.return_token_ids:
+                out["token_ids"] = c.token_ids
+                if first:
+                    out["prompt_token_ids"] = prompt_ids
+            return out
+
         if body.stream:
             async def events():
-                completion_tokens, offsets = 0, {}
+                completion_tokens, offsets = {}, {}
                 async for choice, c in job.deltas():
-                    completion_tokens += len(c.token_ids)
-                    lp = None
-                    if c.logprobs is not None:
-                        lp = self.completion_logprobs(_with_ids(c), offsets.get(choice, 0))
-                    offsets[choice] = offsets.get(choice, 0) + len(c.text)
-                    if c.text or c.finished or c.token_ids:
-                        yield _sse(chunk([{"index": choice, "text": c.text, "logprobs": lp,
-                                           "finish_reason": c.finish_reason}]))
+                    if not (c.text or c.finished or c.token_ids):
+                        continue
+                    tokens = 0 if echo_only else len(c.token_ids)
+                    completion_tokens[choice] = completion_tokens.get(choice, 0) + tokens
+                    out = choice_json(choice, c, choice not in offsets, offsets.get(choice, 0))
+                    offsets[choice] = offsets.get(choice, 0) + len(out["text"])
+                    yield _sse(chunk([out], self.continuous_usage(body, job, choice, completion_tokens)))
                 if body.stream_options and body.stream_options.include_usage:
-                    yield _sse(chunk([], job.usage(completion_tokens)))
+                    yield _sse(chunk([], job.usage(sum(completion_tokens.values()))))
                 yield "data: [DONE]\n\n"
             return StreamingResponse(events(), media_type="text/event-stream")
 
         results = await _collect(job)
-        choices = [{"index": i, "text": c.text, "finish_reason": c.finish_reason,
-                    "logprobs": self.completion_logprobs(_with_ids(c), 0) if c.logprobs is not None else None}
-                   for i, c in sorted(results.items())]
-        return chunk(choices, job.usage(sum(len(c.token_ids) for c in results.values())))
+        choices = [choice_json(i, c, True, 0) for i, c in sorted(results.items())]
+        return chunk(choices, job.usage(0 if echo_only else sum(len(c.token_ids) for c in results.values())))
 
     async def chat_completions(self, body: ChatCompletionRequest, http: Request):
         self.check_model(body.model)
         if self.llm.tokenizer is None:
             raise APIError(400, "this model has no tokenizer, so it has no chat template")
         try:
+            plan = plan_tools(body.tool_dicts(), body.tool_choice_value(), body.parallel_tool_calls,
+                              self.options.auto_tool_parser)
+            if plan.constraint is not None and body.structured() is not None:
+                raise ValueError(f"tool_choice {plan.choice!r} constrains the output to tool calls; it cannot also "
+                                 "be constrained by response_format / structured_outputs")
             conversation = body.conversation()
-            prompt_len = len(self.llm.encode_prompt(conversation)[0])
+            prompt_ids, _ = self.llm.encode_prompt(conversation, 0,
+                                                   body.chat_options(self.options.chat_template, plan.tools))
             logprobs = (body.top_logprobs or 0) if body.logprobs else None
             max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-            self.check_length(prompt_len, max_tokens)
-            params = body.sampling_params(max_tokens, self.max_model_len - prompt_len, logprobs)
+            self.check_length(len(prompt_ids), max_tokens)
+            params = body.sampling_params(max_tokens, self.max_model_len - len(prompt_ids), logprobs,
+                                          self.options.max_logprobs, prompt_logprobs=body.echo_prompt_logprobs(),
+                                          structured=plan.constraint, skip_special_tokens=plan.skip_special_tokens,
+                                          logprobs_field="top_logprobs")
         except ValueError as e:
             raise APIError(400, str(e)) from None
         await self.compile_constraint(params)
-        job = Completions(self, [conversation], params, http)
+        job = Completions(self, [{"prompt_token_ids": prompt_ids}], params, http)
         rid, created = f"chatcmpl-{http.state.request_id}", int(time.time())
+        as_ids = body.return_tokens_as_token_ids
+        last = conversation[-1]
+        # echo: the answer begins with the last message, when it is the assistant's (the one being continued)
+        echoed = last["content"] if body.echo and last["role"] == "assistant" and last["content"] else ""
 
         def chunk(obj, choices, usage=None):
             out = {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": choices}
@@ -290,29 +381,63 @@ class Server:
 
         if body.stream:
             async def events():
-                completion_tokens = 0
+                completion_tokens: dict[int, int] = {}
+                answers = [ToolAnswer(plan) for _ in range(params.n)]
                 for i in range(params.n):
-                    yield _sse(chunk("chat.completion.chunk", [{"index": i, "delta": {"role": "assistant",
-                                                                                       "content": ""},
-                                                                "logprobs": None, "finish_reason": None}]))
+                    first = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None}
+                    yield _sse(chunk("chat.completion.chunk", [first]))
+                    if echoed:
+                        yield _sse(chunk("chat.completion.chunk", [{"index": i, "delta": {"content": echoed},
+                                                                    "logprobs": None, "finish_reason": None}]))
                 async for choice, c in job.deltas():
-                    completion_tokens += len(c.token_ids)
                     if not (c.text or c.finished or c.token_ids):
                         continue
-                    lp = self.chat_logprobs(_with_ids(c)) if c.logprobs is not None else None
-                    yield _sse(chunk("chat.completion.chunk", [{"index": choice, "delta": {"content": c.text}
-                                                                if c.text else {}, "logprobs": lp,
-                                                                "finish_reason": c.finish_reason}]))
+                    completion_tokens[choice] = completion_tokens.get(choice, 0) + len(c.token_ids)
+                    lp = self.chat_logprobs(_with_ids(c), as_ids) if c.logprobs is not None else None
+                    deltas, finish = answers[choice].deltas(c.text, c.finish_reason)
+                    for out in _stream_choices(choice, deltas, finish, lp, bool(body.return_token_ids and c.token_ids)):
+                        if body.return_token_ids:
+                            out["token_ids"] = c.token_ids
+                            c = dataclasses.replace(c, token_ids=[])   # a delta's tokens go with its first chunk
+                        yield _sse(chunk("chat.completion.chunk", [out],
+                                         self.continuous_usage(body, job, choice, completion_tokens)))
                 if body.stream_options and body.stream_options.include_usage:
-                    yield _sse(chunk("chat.completion.chunk", [], job.usage(completion_tokens)))
+                    yield _sse(chunk("chat.completion.chunk", [], job.usage(sum(completion_tokens.values()))))
                 yield "data: [DONE]\n\n"
             return StreamingResponse(events(), media_type="text/event-stream")
 
         results = await _collect(job)
-        choices = [{"index": i, "message": {"role": "assistant", "content": c.text}, "finish_reason": c.finish_reason,
-                    "logprobs": self.chat_logprobs(_with_ids(c)) if c.logprobs is not None else None}
-                   for i, c in sorted(results.items())]
-        return chunk("chat.completion", choices, job.usage(sum(len(c.token_ids) for c in results.values())))
+        choices = []
+        for i, c in sorted(results.items()):
+            message, finish = ToolAnswer(plan).message(c.text, c.finish_reason)
+            if echoed:
+                message["content"] = echoed + (message["content"] or "")
+            choice = {"index": i, "message": message, "finish_reason": finish,
+                      "logprobs": self.chat_logprobs(_with_ids(c), as_ids) if c.logprobs is not None else None}
+            if body.return_token_ids:
+                choice["token_ids"] = c.token_ids
+            choices.append(choice)
+        out = chunk("chat.completion", choices, job.usage(sum(len(c.token_ids) for c in results.values())))
+        if params.prompt_logprobs is not None:
+            out["prompt_logprobs"] = self.prompt_logprobs_json(job.prompt_logprobs.get(0))
+        if body.return_token_ids:
+            out["prompt_token_ids"] = prompt_ids
+        return out
+
+
+def _stream_choices(index: int, deltas: list[dict], finish_reason: str | None, logprobs, has_tokens: bool
+                    ) -> list[dict]:
+    """The streamed choices of one engine delta: one per chat delta, the logprobs on the first and the finish
+    reason on the last (an empty delta when there is nothing else to carry them, or token ids to send)."""
+    if not deltas:
+        deltas = [{}] if (finish_reason is not None or logprobs is not None or has_tokens) else []
+    return [{"index": index, "delta": d, "logprobs": logprobs if j == 0 else None,
+             "finish_reason": finish_reason if j == len(deltas) - 1 else None} for j, d in enumerate(deltas)]
+
+
+def _token_id_name(token_id: int) -> str:
+    return f"token_id:{token_id}"
 
 
 def _with_ids(c) -> list:
@@ -345,14 +470,15 @@ async def _collect(job: Completions) -> dict:
     return results
 
 
-def build_app(llm, model_name: str, api_key: str | None = None, http_options: HTTPOptions | None = None) -> FastAPI:
+def build_app(llm, model_name: str, api_key: str | None = None, http_options: HTTPOptions | None = None,
+              options: ServeOptions | None = None) -> FastAPI:
     """The ASGI app. The engine loop starts with the app and stops with it (the constraint compile processes
     too). `http_options`: the API key, CORS, /metrics' protection (jaxspec/serve/http.py); `api_key` overrides
-    its key."""
-    options = http_options or HTTPOptions()
+    its key. `options`: how requests are answered (chat template, logprobs limit, automatic tool calling)."""
+    http = http_options or HTTPOptions()
     if api_key is not None:
-        options = dataclasses.replace(options, api_key=api_key)
-    server = Server(llm, model_name, options.api_key)
+        http = dataclasses.replace(http, api_key=api_key)
+    server = Server(llm, model_name, http.api_key, options)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -365,7 +491,7 @@ def build_app(llm, model_name: str, api_key: str | None = None, http_options: HT
 
     app = FastAPI(title="jaxspec", lifespan=lifespan)
     app.state.server = server
-    install(app, server, options)
+    install(app, server, http)
 
     @app.exception_handler(APIError)
     async def api_error(request, e: APIError):

@@ -51,8 +51,11 @@ def pick_drafts(logits, ctx, j, draft_sampling: str, grammar_state=None):
     take the argmax. The draw's log-probabilities are returned for the rejection sampler.
     With structured outputs (ctx.grammar) the logits are first masked by each row's automaton state
     `grammar_state` [R], as the target's are where it verifies: drafts stay inside the grammar and a sampled
-    draft's q is the masked distribution, so rejection sampling stays exact.
+    draft's q is the masked distribution, so rejection sampling stays exact. A logit bias (ctx.logit_bias) is
+    added first, as the target's is: the drafts follow it, and a sampled draft's q includes it.
     """
+    if ctx.logit_bias is not None:
+        logits = sampling.add_logit_bias(logits, *ctx.logit_bias)
     if ctx.grammar is not None:
         logits = ctx.grammar.constrain(logits, grammar_state)
     if draft_sampling == "argmax":
