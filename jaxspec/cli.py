@@ -92,6 +92,10 @@ def add_engine_args(p: argparse.ArgumentParser):
     p.add_argument("--structured-compile-memory", type=gibibytes, default=2.0,
                    help="GiB of memory one constraint's compile (a process of its own) may use before it is stopped "
                         "and the request refused")
+    p.add_argument("--warmup", default="auto", choices=["auto", "tiered", "full", "fast", "none"],
+                   help="when the step programs compile: tiered (the GPU's auto: serve after the smallest bucket's "
+                        "programs, compile the rest and the autotuned ones in the background), full (everything "
+                        "autotuned first), fast (everything first, nothing autotuned), none (each on first use)")
     p.add_argument("--logprobs-mode", default="raw_logprobs", choices=["raw_logprobs", "processed_logprobs"],
                    help="what logprobs return: the model's log-softmax (raw) or the distribution sampled from "
                         "(processed: after penalties, temperature, top-k/top-p/min-p)")
@@ -105,7 +109,8 @@ def engine_kwargs(args) -> dict:
                 speculative_config=args.speculative_config, seed=args.seed,
                 tensor_parallel_size=args.tensor_parallel_size,
                 structured_compile_timeout=args.structured_compile_timeout,
-                structured_compile_memory=args.structured_compile_memory, logprobs_mode=args.logprobs_mode)
+                structured_compile_memory=args.structured_compile_memory, logprobs_mode=args.logprobs_mode,
+                warmup=args.warmup)
 
 
 def check_engine_args(p: argparse.ArgumentParser, args):

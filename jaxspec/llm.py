@@ -8,6 +8,7 @@ import numbers
 import os
 import queue
 import threading
+import time
 from typing import Iterator
 
 from tqdm.auto import tqdm
@@ -38,13 +39,15 @@ class LLM:
                  max_model_len: int | None = None, max_num_batched_tokens: int = 512, block_size: int = 16,
                  num_kv_blocks: int | None = None, kv_memory_fraction: float | None = None,
                  async_scheduling: bool = True, speculative_config=None, enable_prefix_caching: bool = True,
-                 warmup: bool = True, seed: int = 0, attention: str = "auto", unroll_layers: bool | None = None,
+                 warmup: bool | str = "auto", seed: int = 0, attention: str = "auto", unroll_layers: bool | None = None,
                  tensor_parallel_size: int = 1, structured_compile_timeout: float = 30.0,
                  structured_compile_memory: float = 2.0,
                  delta_rule: str = "auto", logprobs_mode: str = "raw_logprobs"):
         from jaxspec.models.loader import load_model
 
+        t0 = time.perf_counter()
         self.model = model if hasattr(model, "params") else load_model(model, dtype=_resolve_dtype(dtype))
+        weights_s = time.perf_counter() - t0
         self.tokenizer = self.model.tokenizer
         self.engine = Engine(self.model, EngineConfig(
             max_num_seqs=max_num_seqs, max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
@@ -56,6 +59,9 @@ class LLM:
             logprobs_mode=logprobs_mode),
             speculative_config)
         self.speculative_config = self.engine.speculative_config
+        # Start-up phases in seconds: weights loaded and placed (0 for a model passed in), the engine built, the
+        # compiles the constructor waited for (`engine.wait_compiled()` waits for the background ones).
+        self.startup = {"weights_s": weights_s, **self.engine.startup}
 
     # ---- prompts -----------------------------------------------------------------------------------
     def encode_prompt(self, prompt, index: int = 0, chat_options: dict | None = None) -> tuple[list[int], str | None]:

@@ -45,8 +45,8 @@ def optimize_steps(llm):
     from jaxspec.nn.ops import Ops
 
     class OptimizedOps(Ops):
-        def compiler_options(self, num_tokens: int) -> dict:
-            return {**super().compiler_options(num_tokens), "xla_backend_optimization_level": 2}
+        def compiler_options(self, num_tokens: int, tier: str = "tuned") -> dict:
+            return {**super().compiler_options(num_tokens, tier), "xla_backend_optimization_level": 2}
     runner = llm.engine.runner
     runner.ops = OptimizedOps(**{f.name: getattr(runner.ops, f.name) for f in dataclasses.fields(Ops)})
     return llm

@@ -18,24 +18,25 @@ HEAVY = 768   # the injected device work: three [HEAVY, HEAVY] matmuls per step
 def slow_device(runner, monkeypatch):
     """Every step also runs a few hundred milliseconds of device work that all its results (state and
     outputs) depend on, as a real accelerator's step keeps its results unready while the host moves on."""
-    orig, cache = runner.step_fn, {}
+    orig = runner.step_fn
 
     def heavy(seed):
         x = jnp.full((HEAVY, HEAVY), 1e-3, jnp.float32) * seed
         return jnp.sum(x @ x @ x @ x) * 0.0
 
-    def step_fn(T, variant):
-        if (T, variant) not in cache:
-            fn = orig(T, variant)
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def delay(state, out, inbox):
+        gate = heavy(inbox[0].astype(jnp.float32))        # depends on this step's input: not folded
+        delayed = lambda a: a + gate.astype(a.dtype)       # noqa: E731
+        return jax.tree_util.tree_map(delayed, state), jax.tree_util.tree_map(delayed, out)
 
-            @functools.partial(jax.jit, donate_argnums=(2, 4))
-            def slow(params, drafter_params, state, inbox, outbox):
-                gate = heavy(inbox[0].astype(jnp.float32))        # depends on this step's input: not folded
-                state, out = fn(params, drafter_params, state, inbox, outbox)
-                delayed = lambda a: a + gate.astype(a.dtype)       # noqa: E731
-                return jax.tree_util.tree_map(delayed, state), jax.tree_util.tree_map(delayed, out)
-            cache[(T, variant)] = slow
-        return cache[(T, variant)]
+    def step_fn(T, variant, *grammar):
+        fn = orig(T, variant, *grammar)
+
+        def slow(params, drafter_params, state, inbox, outbox, *tables):
+            state, out = fn(params, drafter_params, state, inbox, outbox, *tables)
+            return delay(state, out, inbox)
+        return slow
 
     monkeypatch.setattr(runner, "step_fn", step_fn)
     t0 = time.perf_counter()
@@ -157,7 +158,7 @@ def test_gpu_step_attends_with_one_kernel_per_layer(monkeypatch):
                   block_size=4, warmup=False, unroll_layers=True, attention="pallas")
         runner = llm.engine.runner
         buf = runner.new_inputs(8).pack()
-        traced = runner.step_fn(8, StepVariant()).trace(runner.params, runner.drafter_params, runner.state, buf,
+        traced = runner.jitted_step(8, StepVariant()).trace(runner.params, runner.drafter_params, runner.state, buf,
                                                         runner.new_outbox(8, StepVariant()))
         text = traced.lower(lowering_platforms=("cuda",)).as_text()
         counts[layers] = {op: len(re.findall(pattern, text)) for op, pattern in (

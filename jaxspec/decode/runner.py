@@ -22,8 +22,8 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from tqdm.auto import tqdm
 
+from jaxspec.decode.compiler import FAST, TUNED, StepPrograms
 from jaxspec.decode.inputs import StepInputs
 from jaxspec.decode.state import DecodeState, StepConfig, init_state, state_schema
 from jaxspec.decode.step import StepVariant, make_step, output_shapes
@@ -102,15 +102,31 @@ class ModelRunner:
         # smaller: with a single row the logits matmul has one row, which XLA runs as a slow matrix-vector
         # product on a GPU (measured: +0.9 ms per step at Qwen2.5-1.5B's vocabulary).
         self.max_rows = max(max_rows, MIN_TOKEN_BUCKET)
-        self._steps: dict[tuple[int, StepVariant], object] = {}
+        # The compiled step programs (jaxspec.decode.compiler), keyed by (bucket, variant, grammar table shapes).
+        self.programs = StepPrograms(self._lower_program, self._tiers)
+        self.on_demand_tier = TUNED   # the tier a step compiles at when it first needs a program that is missing
+        self.compiled_on_demand = 0   # programs a step waited for (not compiled ahead)
+        self.serving_buckets: list[int] | None = None   # while compiling in the background: the buckets steps use
         self._blank_inputs: dict[int, StepInputs] = {}
         self.last_inputs: dict[int, tuple[StepVariant, np.ndarray]] = {}
         self._last_grammar: dict[int, object] = {}   # the grammar table each bucket's last live step read
         self.issue_seconds: collections.deque[float] = collections.deque(maxlen=4096)
         self.last_run_compiled = False   # the last `run` compiled its step (its time is no measure of the step)
+        # What the programs take, as shapes, dtypes and placements: compiles on another thread never touch the
+        # live (donated) state.
+        spec = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)   # noqa: E731
+        self._arg_specs = jax.tree_util.tree_map(spec, (self.params, self.drafter_params, self.state))
+        self._logit_bias_spec = spec(self.logit_bias_table)
+        self._box_sharding = self.input_sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
 
     # ---- shapes ------------------------------------------------------------------------------------
     def bucket_for(self, num_tokens: int) -> int:
+        """The smallest bucket that holds `num_tokens`; while programs compile in the background, the smallest
+        compiled one (`serving_buckets`, set by the engine) that does."""
+        if self.serving_buckets is not None:
+            T = next((b for b in self.serving_buckets if b >= num_tokens), None)
+            if T is not None:
+                return T
         return next(b for b in self.token_buckets if b >= num_tokens)
 
     def rows_for(self, num_tokens: int) -> int:
@@ -127,22 +143,62 @@ class ModelRunner:
         return blank.copy()
 
     # ---- running -----------------------------------------------------------------------------------
-    def step_fn(self, T: int, variant: StepVariant):
-        """The jitted step of bucket T and this variant (compiled on first use)."""
-        fn = self._steps.get((T, variant))
-        if fn is None:
-            out_shardings = None if self.tp is None else (self.state_shardings, self.tp.replicated)
-            fn = self._steps[(T, variant)] = make_step(self.target, self.drafter, self.step_config, T,
-                                                       self.rows_for(T), variant, out_shardings,
-                                                       self.ops.compiler_options(T))
-        return fn
+    def _tiers(self, T: int) -> tuple[str, ...]:
+        """The tiers bucket T's programs have, cheapest first (one where both compile alike)."""
+        fast, tuned = self.ops.compiler_options(T, FAST), self.ops.compiler_options(T, TUNED)
+        return (TUNED,) if fast == tuned else (FAST, TUNED)
+
+    def jitted_step(self, T: int, variant: StepVariant, tier: str = TUNED):
+        """Bucket T's step for this variant as a jitted function (for tracing and lowering; steps run compiled
+        programs)."""
+        out_shardings = None if self.tp is None else (self.state_shardings, self.tp.replicated)
+        return make_step(self.target, self.drafter, self.step_config, T, self.rows_for(T), variant, out_shardings,
+                         self.ops.compiler_options(T, tier))
+
+    def _lower_program(self, key, tier: str, grammar_spec=None):
+        """(lowered program of `key` at `tier`, trace seconds, lower seconds), from the arguments' specs alone."""
+        T, variant, _ = key
+        params, drafter_params, state = self._arg_specs
+        box = lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=self._box_sharding)   # noqa: E731
+        inbox = box(self.new_inputs(T).pack())
+        outbox = jax.tree_util.tree_map(box, output_shapes(variant, self.step_config, self.rows_for(T),
+                                                           self.target.config.vocab_size, T))
+        tables = ([grammar_spec] if variant.grammar else []) + ([self._logit_bias_spec] if variant.logit_bias else [])
+        t0 = time.perf_counter()
+        traced = self.jitted_step(T, variant, tier).trace(params, drafter_params, state, inbox, outbox, *tables)
+        t1 = time.perf_counter()
+        lowered = traced.lower()
+        return lowered, t1 - t0, time.perf_counter() - t1
+
+    @staticmethod
+    def program_key(T: int, variant: StepVariant, grammar_table=None) -> tuple:
+        """A program's key: a grammar variant is compiled for its table's shapes (a grown table: a new program)."""
+        if not variant.grammar:
+            return (T, variant, None)
+        leaves, tree = jax.tree_util.tree_flatten(grammar_table)
+        return (T, variant, (tree, tuple(a.shape for a in leaves)))
+
+    def step_fn(self, T: int, variant: StepVariant, grammar_table=None):
+        """The compiled program of bucket T and this variant (the best tier compiled so far; compiled now at
+        `on_demand_tier` when there is none)."""
+        key = self.program_key(T, variant, grammar_table)
+        program = self.programs.get(key)
+        if program is None:
+            grammar_spec = None
+            if variant.grammar:
+                grammar_spec = jax.tree_util.tree_map(
+                    lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), grammar_table)
+            self.programs.compile([key], self.on_demand_tier, grammar_spec, parallel=False)
+            self.compiled_on_demand += 1
+            program = self.programs.get(key)
+        return program
 
     def run(self, inputs: StepInputs, variant: StepVariant, grammar_table=None) -> dict:
         """Copies the inputs over, issues the step, starts copying its outputs back (device arrays). A grammar
         variant also reads `grammar_table` (jaxspec.decode.grammar.GrammarTable, already on the device)."""
         t0 = time.perf_counter()
         T = inputs.token_matrix.shape[1]
-        self.last_run_compiled = (T, variant) not in self._steps
+        self.last_run_compiled = self.programs.get(self.program_key(T, variant, grammar_table)) is None
         # The packed host buffer goes straight into the load's call, which transfers it (a separate
         # jax.device_put cost ~40 us more host time per step on the CPU backend). It is built for this step
         # alone and never written again: on the CPU backend the call may read it after returning.
@@ -185,8 +241,9 @@ class ModelRunner:
         outbox = self._outboxes.pop((T, variant), None)
         if outbox is None:
             outbox = self.new_outbox(T, variant)
-        self.state, outbox = self.step_fn(T, variant)(self.params, self.drafter_params, self.state, inbox, outbox,
-                                                      *self._table_args(variant, grammar_table))
+        program = self.step_fn(T, variant, grammar_table) if variant.grammar else self.step_fn(T, variant)
+        self.state, outbox = program(self.params, self.drafter_params, self.state, inbox, outbox,
+                                     *self._table_args(variant, grammar_table))
         self._outboxes[(T, variant)] = outbox
         return self._copy_outputs(outbox)
 
@@ -208,20 +265,25 @@ class ModelRunner:
             tables.append(self.logit_bias_table)
         return tuple(tables)
 
-    def warmup(self, variants, grammar_table=None):
-        """Compiles the step for every token bucket and these variants (all-padding inputs touch only the
-        trash slot; grammar variants read `grammar_table`, whose shape they are compiled for)."""
-        todo = [(T, v) for T in self.token_buckets for v in variants]
-        for T, variant in tqdm(todo, desc="compiling steps", leave=False):
-            self.run(self.new_inputs(T), variant, grammar_table)
-        self.last_inputs.clear()
-        self._last_grammar.clear()
-        self.issue_seconds.clear()
-        jax.block_until_ready(self.state.num_tokens)
+    def warmup(self, variants, grammar_table=None, tier: str | None = None, buckets=None, desc="compiling steps"):
+        """Compiles the programs of these variants for every token bucket (or `buckets`) at `tier` (None: each
+        bucket's best). Grammar variants are compiled for `grammar_table`'s shapes."""
+        buckets = self.token_buckets if buckets is None else buckets
+        keys = [self.program_key(T, v, grammar_table) for T in buckets for v in variants]
+        grammar_spec = None
+        if grammar_table is not None:
+            grammar_spec = jax.tree_util.tree_map(
+                lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), grammar_table)
+        self.programs.compile(keys, tier, grammar_spec, desc=desc)
+
+    def ready_buckets(self, variants) -> list[int]:
+        """Buckets whose programs of every one of these variants are compiled (any tier)."""
+        return [T for T in self.token_buckets if all(self.programs.ready((T, v, None)) for v in variants)]
 
     # ---- facts -------------------------------------------------------------------------------------
     def num_compiled(self) -> int:
-        return sum(f._cache_size() for f in self._steps.values())
+        """Step programs compiled (each (bucket, variant, grammar shapes) once, whatever its tier)."""
+        return self.programs.num_programs()
 
     def last_variant(self, T: int) -> tuple:
         """(variant, grammar table or None) of bucket T's last live step."""
@@ -241,8 +303,8 @@ class ModelRunner:
     def lower(self, T: int, variant: StepVariant = StepVariant(), grammar_table=None):
         """Bucket T's step lowered for this variant (jax.stages.Lowered: its HLO, its arguments)."""
         buf = jax.device_put(self.new_inputs(T).pack(), self.input_sharding)
-        return self.step_fn(T, variant).lower(self.params, self.drafter_params, self.state, buf,
-                                              self.new_outbox(T, variant), *self._table_args(variant, grammar_table))
+        return self.jitted_step(T, variant).lower(self.params, self.drafter_params, self.state, buf,
+                                                  self.new_outbox(T, variant), *self._table_args(variant, grammar_table))
 
     def argument_buffers(self) -> int:
         """Buffers one step call passes: params, drafter params, decode state, the inbox, the outbox."""

@@ -79,6 +79,11 @@ class StepVariant:
     def draft_width(self, sc: StepConfig) -> int:
         return sc.num_speculative_tokens if self.drafts is None else self.drafts
 
+    def name(self) -> str:
+        """'greedy', 'sample', or the work it adds joined by '+' ('sample+logprobs'); '/k2': draft width 2."""
+        extras = [f.name for f in dataclasses.fields(self) if f.name != "drafts" and getattr(self, f.name)]
+        return ("+".join(extras) or "greedy") + ("" if self.drafts is None else f"/k{self.drafts}")
+
 
 _INTERNED: dict[StepVariant, StepVariant] = {}
 

@@ -244,14 +244,21 @@ class Ops:
                    delta_rule=delta_rule, gemv=gemv_matmuls(os.environ.get("JAXSPEC_GEMV", "down" if gpu else "")),
                    fused_attention=os.environ.get("JAXSPEC_FUSED_ATTENTION", "1") != "0")
 
-    def compiler_options(self, num_tokens: int) -> dict:
-        """XLA options for the compile of a step of `num_tokens` tokens. Measured on an H100 (Qwen2.5-1.5B,
-        docs/lab/2026-11-23-compile-time-gemm-backend.md): autotuned Triton GEMMs run the small matmuls of decode steps faster (2.24 vs 2.75
-        ms at 8 tokens) but cost ~40 s of autotuning per bucket; cuBLAS is faster from 128 tokens (3.25 vs 3.88
-        ms at 256) and compiles in ~4 s. The autotuning results are kept on disk: the next process that
-        compiles the same bucket takes ~6 s."""
+    def compiler_options(self, num_tokens: int, tier: str = "tuned") -> dict:
+        """XLA options for the compile of a step of `num_tokens` tokens. "tuned": measured on an H100 (Qwen2.5-1.5B,
+        docs/lab/2026-11-23-compile-time-gemm-backend.md): autotuned Triton GEMMs run the small matmuls of decode
+        steps faster (2.24 vs 2.75 ms at 8 tokens) but cost ~25-40 s of autotuning per bucket; cuBLAS is faster from
+        128 tokens (3.25 vs 3.88 ms at 256) and compiles in ~4 s. The autotuning results are kept on disk: the next
+        process that compiles the same bucket takes ~6 s. "fast": cuBLAS GEMMs and no autotuning at all (XLA's
+        heuristic picks), a compile of seconds that times nothing on the device (jaxspec.decode.compiler)."""
+        if tier not in ("fast", "tuned"):
+            raise ValueError(f"tier={tier!r} is invalid; choose 'fast' or 'tuned'")
         opts = {}
-        if self.cublas_from_tokens is not None and num_tokens >= self.cublas_from_tokens:
+        if self.cublas_from_tokens is None:   # not a GPU: no GEMM choice, nothing autotuned
+            return opts
+        if tier == "fast":
+            return {"xla_gpu_enable_triton_gemm": False, "xla_gpu_autotune_level": 0}
+        if num_tokens >= self.cublas_from_tokens:
             opts["xla_gpu_enable_triton_gemm"] = False
         if self.autotune_cache_dir is not None:
             opts["xla_gpu_per_fusion_autotune_cache_dir"] = self.autotune_cache_dir

@@ -50,6 +50,8 @@ class KChooser:
         self.times: dict[tuple[int, int], float] = {}   # (draft width, token bucket) -> seconds (EMA)
         # (k, T) -> seconds: replaces the measured times (deterministic choices for tests; a cost model)
         self.time_model: Callable[[int, int], float] | None = None
+        # (k, T) -> whether that step is compiled: while programs compile in the background only those are chosen
+        self.ready: Callable[[int, int], bool] | None = None
         self.current = self.K
         self._pending: collections.deque = collections.deque()   # (step, kind, payload), in step order
         self._explore: tuple[int, int, int] | None = None   # (k, T, last step) of the pair being measured
@@ -110,6 +112,8 @@ class KChooser:
             if rows == 0:
                 continue
             T = self.bucket_for(rows * (1 + k))
+            if self.ready is not None and not self.ready(k, T):
+                continue
             t = self.step_time(k, T)
             if t is None:
                 if self._attempts[(k, T)] < EXPLORE_ATTEMPTS:

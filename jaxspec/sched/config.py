@@ -10,6 +10,18 @@ import dataclasses
 # it, so that `validate` imports no JAX: the command-line tools check their flags with it before loading anything.
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 
+# When the engine compiles its step programs (jaxspec.decode.compiler; docs/performance.md, "Start-up"):
+#   "tiered"  the smallest token bucket's programs without autotuning, then the engine serves while the other buckets'
+#             (without autotuning, in parallel) and every autotuned program (one at a time) compile in the background;
+#             a step uses the best program compiled so far, and only buckets that are compiled (a larger one, padded,
+#             or prefill in smaller chunks meanwhile)
+#   "full"    every warm-up program autotuned before the engine serves (full speed from the first step)
+#   "fast"    every warm-up program without autotuning before the engine serves, nothing autotuned later
+#   "none"    nothing ahead: each program compiles when a step first needs it (autotuned)
+#   "auto"    "tiered" on a GPU; "full" elsewhere (where both tiers are one compile)
+# True means "full" and False "none".
+WARMUP_MODES = ("auto", "tiered", "full", "fast", "none")
+
 
 @dataclasses.dataclass
 class EngineConfig:
@@ -21,7 +33,7 @@ class EngineConfig:
     kv_memory_fraction: float | None = None   # share of free device memory for the KV pool (GPU default 0.5)
     async_scheduling: bool = True
     enable_prefix_caching: bool = True        # off by itself for models with per-slot (recurrent) layer state
-    warmup: bool = True
+    warmup: bool | str = "auto"               # WARMUP_MODES, or True ("full") / False ("none")
     seed: int = 0
     # Device-specific choices, measured on an H100 (docs/lab/2026-11-22-first-round-step.md); "auto" picks the GPU ones there.
     attention: str = "auto"           # "pallas" (reads KV pages in place) or "reference" (jnp gather)
@@ -48,6 +60,9 @@ class EngineConfig:
         if not (isinstance(self.structured_compile_memory, (int, float)) and self.structured_compile_memory > 0):
             raise ValueError(f"structured_compile_memory={self.structured_compile_memory!r} is invalid; it must be "
                              "a number of GiB > 0")
+        if not isinstance(self.warmup, bool) and self.warmup not in WARMUP_MODES:
+            raise ValueError(f"warmup={self.warmup!r} is invalid; choose True, False or one of "
+                             f"{', '.join(map(repr, WARMUP_MODES))}")
         if self.attention not in ("auto", "pallas", "reference"):
             raise ValueError(f"attention={self.attention!r} is invalid; choose 'auto', 'pallas' or 'reference'")
         if self.delta_rule not in ("auto", "pallas", "reference"):
@@ -57,6 +72,14 @@ class EngineConfig:
             raise ValueError(f"logprobs_mode={self.logprobs_mode!r} is invalid"
                              f"{' (vLLM logits modes are not supported)' if logits_mode else ''}; choose "
                              f"{' or '.join(map(repr, LOGPROBS_MODES))}")
+
+    def warmup_mode(self, gpu: bool) -> str:
+        """The warm-up mode this engine runs ("tiered", "full", "fast" or "none")."""
+        if isinstance(self.warmup, bool):
+            return "full" if self.warmup else "none"
+        if self.warmup == "auto":
+            return "tiered" if gpu else "full"
+        return self.warmup
 
     def resolve_max_model_len(self, model_config) -> int:
         """The context length: the configured one, checked against the model's, or min(model's, 4096)."""

@@ -22,6 +22,7 @@ import traceback
 import jax
 import numpy as np
 
+from jaxspec.decode.compiler import FAST
 from jaxspec.decode.runner import ModelRunner
 from jaxspec.decode.state import StepConfig
 from jaxspec.decode.step import StepVariant
@@ -61,6 +62,7 @@ class _InFlight:
 class Engine:
     def __init__(self, model, config: EngineConfig, speculative_config=None):
         from jaxspec.spec import SpeculativeConfig, build_drafter
+        t_start = time.perf_counter()
         config.validate()
         self.model, self.config, self.tokenizer = model, config, model.tokenizer
         mc = model.config
@@ -96,6 +98,9 @@ class Engine:
         # Adaptive speculation: the host picks each step's k (jaxspec.sched.adaptive); None: always K.
         self.k_chooser = (KChooser(K, config.max_num_batched_tokens, self.runner.bucket_for)
                           if spec is not None and spec.adaptive else None)
+        self.warmup_mode = config.warmup_mode(gpu=jax.default_backend() == "gpu")
+        if self.warmup_mode in ("tiered", "fast"):
+            self.runner.on_demand_tier = FAST
         self.builder = StepBuilder(self.runner, self.step_config, self.grammar_tables, self.k_chooser)
         self.counts = EngineCounts(K, adaptive=self.k_chooser is not None)
         self._in_flight: _InFlight | None = None
@@ -109,8 +114,13 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.failure: BaseException | None = None   # what stopped the loop thread, if anything did
-        if config.warmup:
+        # Start-up phases in seconds: the engine built (KV pool allocated, params placed), the compiles it waited for.
+        self.startup = {"engine_s": time.perf_counter() - t_start, "compile_blocking_s": 0.0}
+        self._compiling = False   # background compiles run: steps use compiled buckets only (_follow_compiles)
+        if self.warmup_mode != "none":
+            t0 = time.perf_counter()
             self.warmup()
+            self.startup["compile_blocking_s"] = time.perf_counter() - t0
 
     @property
     def requests(self) -> dict[str, Request]:
@@ -201,6 +211,8 @@ class Engine:
             clock = time.perf_counter
             t0 = clock()
             self._apply_intake()
+            if self._compiling:
+                self._follow_compiles()
             rows = self.scheduler.schedule()
             t1 = clock()
             record = self._dispatch(rows, timings) if rows else None
@@ -387,9 +399,55 @@ class Engine:
         return variants
 
     def warmup(self):
-        """Compile the step for every token bucket and warm variant."""
-        self.runner.warmup(self._warm_variants())
-        self.counts.compiled_at_warmup = self.runner.num_compiled()
+        """Compiles the step programs of every token bucket and warm variant, as `warmup_mode` says: all of them
+        now ("full": autotuned, "fast": not), or ("tiered") the smallest bucket's full-width programs now without
+        autotuning and the rest in the background."""
+        runner, variants = self.runner, self._warm_variants()
+        if self.warmup_mode == "tiered":
+            first = [v for v in variants if v.drafts is None]   # the full draft width: adaptive k starts there
+            runner.warmup(first, tier=FAST, buckets=runner.token_buckets[:1])
+            key = runner.program_key
+            jobs = [(key(T, v), FAST) for T in runner.token_buckets for v in variants]
+            jobs += [(key(T, v), "tuned") for T in runner.token_buckets for v in variants]
+            runner.programs.start_background(jobs)
+            self._compiling = runner.programs.compiling()
+            if self._compiling:
+                self._follow_compiles()
+        else:
+            runner.warmup(variants, tier=FAST if self.warmup_mode == "fast" else None)
+        self.counts.compiled_at_warmup = runner.compiled_on_demand
+
+    def _follow_compiles(self):
+        """While programs compile in the background: steps are planned for compiled buckets only (the token
+        budget is the largest compiled bucket's; a step pads to the smallest compiled bucket that holds it) and
+        adaptive k picks among compiled draft widths. Back to every bucket once the compiles are done."""
+        runner, chooser = self.runner, self.k_chooser
+        if not runner.programs.compiling():
+            runner.programs.wait()   # raises what stopped the compiles, if anything did
+            self._compiling = False
+            runner.serving_buckets = None
+            self.scheduler.max_num_batched_tokens = self.config.max_num_batched_tokens
+            if chooser is not None:
+                chooser.ready, chooser.budget = None, self.config.max_num_batched_tokens
+            return
+        ready = runner.ready_buckets([v for v in WARM_VARIANTS])
+        runner.serving_buckets = ready or None
+        self.scheduler.max_num_batched_tokens = min(self.config.max_num_batched_tokens,
+                                                    ready[-1] if ready else self.config.max_num_batched_tokens)
+        if chooser is not None:
+            K = self.step_config.num_speculative_tokens
+            chooser.budget = self.scheduler.max_num_batched_tokens
+            chooser.ready = lambda k, T: all(runner.programs.ready(
+                (T, dataclasses.replace(v, drafts=None if k == K else k), None)) for v in WARM_VARIANTS)
+
+    def wait_compiled(self, timeout: float | None = None) -> bool:
+        """Waits for the background compiles (warmup="tiered"): then every warm program has its best tier and the
+        steps run at full speed (benchmarks wait here before timing). False if they still run after `timeout`."""
+        done = self.runner.programs.wait(timeout)
+        if done and self._compiling:
+            with self._lock:
+                self._follow_compiles()
+        return done
 
     def warmup_structured(self, params: StructuredOutputsParams, sample: bool | None = None):
         """Compiles a constraint, places its automaton in the device table and compiles the grammar variants of
@@ -403,8 +461,6 @@ class Engine:
             variants = [dataclasses.replace(v, grammar=True) for v in self._warm_variants()
                         if sample is None or v.sample == sample]
             self.runner.warmup(variants, self.grammar_tables.device_table())
-            if self.counts.compiled_at_warmup is not None:
-                self.counts.compiled_at_warmup = self.runner.num_compiled()
 
     def stats(self) -> dict:
         return self.counts.report(runner=self.runner, scheduler=self.scheduler, blocks=self.blocks,

@@ -12,7 +12,8 @@ class EngineCounts:
         k = num_speculative_tokens
         self.spec = {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0,
                      "accepted_per_position": np.zeros(max(k, 1), np.int64), "chosen_k": np.zeros(k + 1, np.int64)}
-        self.compiled_at_warmup: int | None = None   # compiled steps after warm-up: later ones are recompiles
+        # programs compiled on demand (a step waited) before warm-up ended: later ones are recompiles
+        self.compiled_at_warmup: int | None = None
 
     @property
     def steps(self) -> int:
@@ -47,7 +48,9 @@ class EngineCounts:
             "steps": c["steps"],
             "token_buckets": list(runner.token_buckets),
             "compiled_steps": compiled,   # (bucket, variant) pairs compiled so far
-            "recompiles": max(0, compiled - baseline) if baseline is not None else None,
+            # programs a step waited for after warm-up (a variant or grammar shape not compiled ahead)
+            "recompiles": runner.compiled_on_demand - baseline if baseline is not None else None,
+            "compile": runner.programs.stats(),
             "argument_buffers": runner.argument_buffers(),
             "scheduled_rows": c["scheduled_rows"],
             "scheduled_tokens": c["scheduled_tokens"],

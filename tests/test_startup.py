@@ -1,0 +1,139 @@
+"""Start-up (jaxspec/decode/compiler.py, Engine.warmup): what a fresh engine compiles before it serves, and serving
+while the rest compiles in the background.
+
+On a CPU both tiers of a program are one compile, so these count programs and check the scheduling around them;
+the tiers' seconds are measured on the GPU (docs/performance.md, "Start-up").
+"""
+import threading
+import time
+
+import pytest
+
+from jaxspec import LLM, SamplingParams
+from jaxspec.decode.compiler import StepPrograms
+from jaxspec.decode.step import StepVariant
+from jaxspec.sched.adaptive import KChooser
+from jaxspec.sched.engine import WARM_VARIANTS
+from test_spec import ENGINE, drafters, prompt_of, target  # noqa: F401 (fixtures)
+
+BUCKETS = [8, 16]
+ENGINE16 = {**ENGINE, "max_num_batched_tokens": 16}
+
+
+def record_background(monkeypatch) -> list:
+    """StepPrograms.start_background records its jobs instead of compiling them."""
+    jobs = []
+    monkeypatch.setattr(StepPrograms, "start_background", lambda self, todo: jobs.extend(todo))
+    return jobs
+
+
+@pytest.mark.parametrize("method,adaptive", [(None, False), ("draft_model", False), ("eagle3", False),
+                                             ("draft_model", True)])
+def test_tiered_start_compiles_two_programs_whatever_the_drafter(target, drafters, monkeypatch, method, adaptive):  # noqa: F811
+    """The design's bound: before a tiered engine serves, it compiles the smallest bucket's greedy and sampling
+    programs at the full draft width, two programs for any drafter and for adaptive k (which would otherwise
+    need (K + 1) x as many); every other warm program is left to the background, each once per tier."""
+    jobs = record_background(monkeypatch)
+    K = 2
+    spec = None if method is None else dict(method=method, num_speculative_tokens=K, model=drafters[method],
+                                            adaptive=adaptive)
+    llm = LLM(target, **ENGINE16, warmup="tiered", speculative_config=spec)
+    runner = llm.engine.runner
+    assert runner.token_buckets == BUCKETS
+    assert {(k[0], k[1]) for k in runner.programs.programs} == {(8, v) for v in WARM_VARIANTS}
+    widths = [None] + (list(range(K)) if adaptive else [])
+    warm = {(T, StepVariant(sample=v.sample, drafts=d)) for T in BUCKETS for v in WARM_VARIANTS for d in widths}
+    assert len(warm) == len(BUCKETS) * 2 * len(widths)
+    assert {(key[0], key[1]) for key, _ in jobs} == warm
+    assert len(jobs) == 2 * len(warm)   # each once per tier: fast, then tuned
+    assert llm.stats()["compile"]["programs"] == 2 and llm.startup["compile_blocking_s"] > 0
+
+
+def test_full_start_compiles_every_warm_program(target, monkeypatch):  # noqa: F811
+    jobs = record_background(monkeypatch)
+    llm = LLM(target, **ENGINE16, warmup="full")
+    assert llm.stats()["compile"]["programs"] == len(BUCKETS) * len(WARM_VARIANTS) and jobs == []
+    assert LLM(target, **ENGINE16, warmup=False).stats()["compile"]["programs"] == 0
+
+
+def test_warmup_mode_is_checked(target):  # noqa: F811
+    with pytest.raises(ValueError, match="warmup='eager' is invalid.*'tiered'"):
+        LLM(target, **ENGINE16, warmup="eager")
+
+
+def test_a_request_is_served_while_other_programs_compile(target, monkeypatch):  # noqa: F811
+    """The 16-token bucket's compiles are held back: requests are served by the 8-token programs (prefill in
+    8-token chunks), with the tokens of a fully warmed engine; once the compiles land, steps use 16 again and
+    nothing compiled on demand."""
+    release, held = threading.Event(), []
+
+    def hold(key, tier):
+        if key[0] == 16:
+            held.append(key)
+            assert release.wait(120), "the test never released the held compile"
+    init = StepPrograms.__init__
+
+    def init_holding(self, *a, **kw):
+        init(self, *a, **kw)
+        self.before_compile = hold
+    monkeypatch.setattr(StepPrograms, "__init__", init_holding)
+    prompts = [prompt_of(n, seed) for n, seed in ((13, 0), (11, 1), (5, 2))]
+    params = [SamplingParams(temperature=0, max_tokens=6), SamplingParams(temperature=0.8, seed=5, max_tokens=6),
+              SamplingParams(temperature=0, max_tokens=6)]
+    llm = LLM(target, **ENGINE16, warmup="tiered")
+    runner, used = llm.engine.runner, []
+    bucket_for = runner.bucket_for
+    monkeypatch.setattr(runner, "bucket_for", lambda n: used.append(bucket_for(n)) or used[-1])
+    try:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert set(used) == {8} and llm.engine.runner.programs.compiling()
+        assert not any(runner.programs.ready((16, v, None)) for v in WARM_VARIANTS)
+        for _ in range(600):   # the background reaches the held compile (it may still be lowering)
+            if held:
+                break
+            time.sleep(0.1)
+        assert held and not any(runner.programs.ready((16, v, None)) for v in WARM_VARIANTS)
+    finally:
+        release.set()
+    assert llm.engine.wait_compiled(120)
+    used.clear()
+    fresh = [prompt_of(n, seed) for n, seed in ((14, 10), (12, 11), (6, 12))]   # not in the prefix cache
+    later = llm.generate(fresh, params, use_tqdm=False)
+    assert 16 in used
+    monkeypatch.setattr(StepPrograms, "__init__", init)
+    full = LLM(target, **ENGINE16, warmup="full")
+    assert [o.token_ids for o in outs] == [o.token_ids for o in full.generate(prompts, params, use_tqdm=False)]
+    assert [o.token_ids for o in later] == [o.token_ids for o in full.generate(fresh, params, use_tqdm=False)]
+    assert llm.stats()["recompiles"] == 0 and llm.stats()["compile"]["programs"] == len(BUCKETS) * 2
+
+
+def test_adaptive_k_picks_only_compiled_widths():
+    c = KChooser(3, 64, lambda n: max(8, 1 << (n - 1).bit_length()))
+    c.time_model = lambda k, T: 1.0 + 0.01 * T   # drafts cost nothing here: the widest k wins
+    c.ready = lambda k, T: k in (0, 1)
+    assert {c.choose(s, 2) for s in range(20)} == {1}
+    c.ready = None
+    assert c.choose(20, 2) == 3
+
+
+def test_fast_programs_are_replaced_by_tuned_ones(target, monkeypatch):  # noqa: F811
+    """With the GPU's two tiers (their options: a CPU compile accepts and ignores them), a tiered engine serves
+    from fast programs and swaps each for its tuned one when that lands; every warm program ends tuned and the
+    tokens never change."""
+    import dataclasses
+
+    from jaxspec.nn.ops import Ops
+    for_backend = Ops.for_backend
+    monkeypatch.setattr(Ops, "for_backend", staticmethod(
+        lambda *a, **kw: dataclasses.replace(for_backend(*a, **kw), cublas_from_tokens=16)))
+    prompts = [prompt_of(12, 3), prompt_of(4, 4)]
+    params = SamplingParams(temperature=0, max_tokens=5)
+    llm = LLM(target, **ENGINE16, warmup="tiered")
+    runner = llm.engine.runner
+    assert runner._tiers(8) == ("fast", "tuned")
+    first = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.engine.wait_compiled(120)
+    assert set(runner.programs.tier.values()) == {"tuned"}
+    assert llm.stats()["compile"]["programs"] == len(BUCKETS) * 2
+    assert sorted(e["tier"] for e in runner.programs.log) == ["fast"] * 4 + ["tuned"] * 4
+    assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == [o.token_ids for o in first]
