@@ -137,3 +137,21 @@ def test_fast_programs_are_replaced_by_tuned_ones(target, monkeypatch):  # noqa:
     assert llm.stats()["compile"]["programs"] == len(BUCKETS) * 2
     assert sorted(e["tier"] for e in runner.programs.log) == ["fast"] * 4 + ["tuned"] * 4
     assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == [o.token_ids for o in first]
+
+
+def test_tuned_programs_on_disk_are_remembered(tmp_path):
+    """A tiered start takes a program at its tuned tier at once where an engine of the same fingerprint compiled
+    that tier on this machine before (its executable is in the persistent cache); others start fast."""
+    from jaxspec.decode.compiler import TunedOnDisk
+    greedy, sample = StepVariant(), StepVariant(sample=True, drafts=1)
+    programs = StepPrograms(lower=None, tiers=lambda T: ("fast", "tuned"))
+    programs.tuned_on_disk = TunedOnDisk(tmp_path / "programs" / "abc.json")
+    assert programs.start_tier((8, greedy, None)) == "fast"
+    programs.tuned_on_disk.add((8, greedy, None))
+    programs.tuned_on_disk.add((16, sample, None))
+    programs.tuned_on_disk.add((8, StepVariant(grammar=True), ("tree", ((4,),))))   # grammar shapes: not kept
+    again = TunedOnDisk(tmp_path / "programs" / "abc.json")
+    assert again.names == {"8:greedy", "16:sample/k1"}
+    programs.tuned_on_disk = again
+    assert [programs.start_tier(k) for k in ((8, greedy, None), (16, sample, None), (16, greedy, None))] == [
+        "tuned", "tuned", "fast"]

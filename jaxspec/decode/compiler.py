@@ -18,7 +18,9 @@ of the grammar table a grammar variant reads).
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
+import pathlib
 import threading
 import time
 from typing import Callable
@@ -30,6 +32,43 @@ _RANK = {FAST: 0, TUNED: 1}
 def compile_threads() -> int:
     """Compiles run at once when none autotunes: the host's cores (XLA's own compile is mostly one thread)."""
     return max(1, min(16, os.cpu_count() or 1))
+
+
+class TunedOnDisk:
+    """The programs whose tuned tier an engine of the same fingerprint compiled on this machine before, kept in a
+    small file beside JAX's persistent compilation cache, which holds their executables: those load in about a
+    second, so a tiered start takes them at once instead of compiling their fast tier first. A hint only: a program
+    it names that is no longer in the cache compiles (autotunes) again, to the same program."""
+
+    def __init__(self, path):
+        self.path = pathlib.Path(path)
+        self._lock = threading.Lock()
+        try:
+            self.names = set(json.loads(self.path.read_text()))
+        except (OSError, ValueError):
+            self.names = set()
+
+    @staticmethod
+    def name(key) -> str | None:
+        T, variant, grammar = key
+        return None if grammar is not None else f"{T}:{variant.name()}"
+
+    def has(self, key) -> bool:
+        return self.name(key) in self.names
+
+    def add(self, key):
+        name = self.name(key)
+        if name is None or name in self.names:
+            return
+        with self._lock:
+            self.names.add(name)
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
+                tmp.write_text(json.dumps(sorted(self.names)))
+                os.replace(tmp, self.path)
+            except OSError:
+                pass   # a read-only cache: the hint is lost, nothing else
 
 
 class StepPrograms:
@@ -46,12 +85,17 @@ class StepPrograms:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self.failure: BaseException | None = None   # what stopped the background compiles
+        self.tuned_on_disk: TunedOnDisk | None = None   # set where a persistent compilation cache keeps programs
         # Called on the compiling thread before each compile with (key, tier): tests hold a compile back with it.
         self.before_compile: Callable[[tuple, str], None] | None = None
 
     # ---- the loop's side -----------------------------------------------------------------------------
     def get(self, key):
         return self.programs.get(key)
+
+    def start_tier(self, key) -> str:
+        """The tier a tiered start compiles `key` at first: tuned where the disk cache has it, else fast."""
+        return TUNED if self.tuned_on_disk is not None and self.tuned_on_disk.has(key) else FAST
 
     def ready(self, key, tier: str | None = None) -> bool:
         have = self.tier.get(key)
@@ -115,6 +159,8 @@ class StepPrograms:
         with self._lock:
             if not self.ready(key, tier):   # a better tier may have landed meanwhile
                 self.programs[key], self.tier[key] = program, tier
+            if tier == TUNED and self.tuned_on_disk is not None:
+                self.tuned_on_disk.add(key)
             T, variant, _ = key
             self.log.append({"bucket": T, "variant": variant.name(), "tier": tier, "trace_s": round(trace_s, 3),
                              "lower_s": round(lower_s, 3), "compile_s": round(done - t0, 3), "done_at": done,

@@ -16,6 +16,9 @@ XLA's own temporary buffer can still move between steps; jaxspec.xla_flags's upd
 from __future__ import annotations
 
 import collections
+import dataclasses
+import hashlib
+import pathlib
 import re
 import time
 
@@ -23,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.decode.compiler import FAST, TUNED, StepPrograms
+from jaxspec.decode.compiler import FAST, TUNED, StepPrograms, TunedOnDisk
 from jaxspec.decode.inputs import StepInputs
 from jaxspec.decode.state import DecodeState, StepConfig, init_state, state_schema
 from jaxspec.decode.step import StepVariant, make_step, output_shapes
@@ -118,6 +121,9 @@ class ModelRunner:
         self._arg_specs = jax.tree_util.tree_map(spec, (self.params, self.drafter_params, self.state))
         self._logit_bias_spec = spec(self.logit_bias_table)
         self._box_sharding = self.input_sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        if self._tiers(self.token_buckets[0]) != (TUNED,) and jax.config.jax_compilation_cache_dir:
+            self.programs.tuned_on_disk = TunedOnDisk(
+                pathlib.Path(jax.config.jax_compilation_cache_dir).parent / "programs" / f"{self.fingerprint()}.json")
 
     # ---- shapes ------------------------------------------------------------------------------------
     def bucket_for(self, num_tokens: int) -> int:
@@ -169,6 +175,22 @@ class ModelRunner:
         t1 = time.perf_counter()
         lowered = traced.lower()
         return lowered, t1 - t0, time.perf_counter() - t1
+
+    def fingerprint(self) -> str:
+        """What the step programs are compiled from, hashed: the arguments' shapes, dtypes and placements, the model's
+        and drafter's configurations, the step's, the engine's ops, the versions of JAX and jaxspec's own source, and
+        the device. Two engines with one fingerprint compile the same programs."""
+        import jaxspec
+        root = pathlib.Path(jaxspec.__file__).parent
+        source = hashlib.sha256()
+        for path in sorted(root.rglob("*.py")):
+            source.update(path.read_bytes())
+        drafter = None if self.drafter is None else (type(self.drafter).__name__, repr(getattr(self.drafter, "config", None)))
+        facts = (repr(jax.tree_util.tree_map(lambda s: (s.shape, str(s.dtype), repr(s.sharding)), self._arg_specs)),
+                 repr(self.target.config), repr(drafter), repr(self.step_config), self.max_rows,
+                 repr(dataclasses.replace(self.ops, autotune_cache_dir=None)), jax.__version__,
+                 jax.devices()[0].device_kind, source.hexdigest())
+        return hashlib.sha256(repr(facts).encode()).hexdigest()[:24]
 
     @staticmethod
     def program_key(T: int, variant: StepVariant, grammar_table=None) -> tuple:

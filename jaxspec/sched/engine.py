@@ -22,7 +22,7 @@ import traceback
 import jax
 import numpy as np
 
-from jaxspec.decode.compiler import FAST
+from jaxspec.decode.compiler import FAST, TUNED
 from jaxspec.decode.runner import ModelRunner
 from jaxspec.decode.state import StepConfig
 from jaxspec.decode.step import StepVariant
@@ -404,12 +404,15 @@ class Engine:
         autotuning and the rest in the background."""
         runner, variants = self.runner, self._warm_variants()
         if self.warmup_mode == "tiered":
-            first = [v for v in variants if v.drafts is None]   # the full draft width: adaptive k starts there
-            runner.warmup(first, tier=FAST, buckets=runner.token_buckets[:1])
-            key = runner.program_key
-            jobs = [(key(T, v), FAST) for T in runner.token_buckets for v in variants]
-            jobs += [(key(T, v), "tuned") for T in runner.token_buckets for v in variants]
-            runner.programs.start_background(jobs)
+            # the smallest bucket at the full draft width (adaptive k starts there); programs the disk cache holds
+            # tuned load at their tuned tier at once
+            programs, key = runner.programs, runner.program_key
+            first = [key(runner.token_buckets[0], v) for v in variants if v.drafts is None]
+            for tier in (FAST, TUNED):
+                programs.compile([k for k in first if programs.start_tier(k) == tier], tier, desc="compiling steps")
+            every = [key(T, v) for T in runner.token_buckets for v in variants]
+            jobs = [(k, FAST) for k in every if programs.start_tier(k) == FAST] + [(k, TUNED) for k in every]
+            programs.start_background(jobs)
             self._compiling = runner.programs.compiling()
             if self._compiling:
                 self._follow_compiles()
