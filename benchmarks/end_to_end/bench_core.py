@@ -62,11 +62,13 @@ def main():
     p.add_argument("--draft-batches", type=int, nargs="*", default=[1])
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--warmup", default="none", help="LLM's warmup: none (each program tuned when first used), fast "
+                                                    "(every program without autotuning: the fast tier's TPOT)")
     p.add_argument("--json")
     a = p.parse_args()
     target = random_model("qwen2.5-coder-1.5b-instruct", dtype="bfloat16")
     common = dict(max_num_seqs=max(a.batches), max_model_len=a.input_len + a.output_len + 64,
-                  max_num_batched_tokens=256, warmup=False)
+                  max_num_batched_tokens=256, warmup=a.warmup)
     rows = []
     llm = LLM(target, **common)
     rows += [measure(llm, b, 0, a.input_len, a.output_len, b) for b in a.batches]

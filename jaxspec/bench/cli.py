@@ -7,6 +7,7 @@
     jaxspec-bench --dataset prefix --prefix-len 1024 --input-len 32 --request-rate 4     # arrivals over time
     jaxspec-bench --base-url http://127.0.0.1:8000 --dataset random --max-concurrency 32  # a running server
     jaxspec-bench --structured-json benchmarks/schemas/person.json --max-concurrency 8 --baseline vllm  # JSON outputs
+    jaxspec-bench startup --random-weights --runs cold warm --json startup.json   # start-up: jaxspec/bench/startup.py
 
 All requests are submitted at once and served by `LLM.generate`, unless --request-rate, --base-url or a
 multi-turn dataset asks for arrivals over time (jaxspec/bench/online.py).
@@ -256,7 +257,12 @@ def with_random_draft(args, model, spec: dict | None) -> dict | None:
 
 
 def run(argv=None) -> list[dict]:
-    """Runs the benchmark the arguments describe and returns its results (one dict per configuration)."""
+    """Runs the benchmark the arguments describe and returns its results (one dict per configuration; with
+    `startup` first, one per start-up run: jaxspec/bench/startup.py)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["startup"]:
+        from jaxspec.bench.startup import run as run_startup
+        return run_startup(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     check_args(parser, args)

@@ -27,6 +27,22 @@ from typing import Callable
 
 FAST, TUNED = "fast", "tuned"
 _RANK = {FAST: 0, TUNED: 1}
+_CACHE_HIT = "/jax/compilation_cache/cache_hits"   # JAX's event: a compile loaded from its persistent cache
+_hits = threading.local()   # cache hits seen on this thread (compiles run on the thread that asks for them)
+_listening = False
+
+
+def _count_cache_hits(event: str, **_):
+    if event == _CACHE_HIT:
+        _hits.count = getattr(_hits, "count", 0) + 1
+
+
+def _listen_for_cache_hits():
+    global _listening
+    if not _listening:
+        import jax
+        jax.monitoring.register_event_listener(_count_cache_hits)
+        _listening = True
 
 
 def compile_threads() -> int:
@@ -88,6 +104,7 @@ class StepPrograms:
         self.tuned_on_disk: TunedOnDisk | None = None   # set where a persistent compilation cache keeps programs
         # Called on the compiling thread before each compile with (key, tier): tests hold a compile back with it.
         self.before_compile: Callable[[tuple, str], None] | None = None
+        _listen_for_cache_hits()
 
     # ---- the loop's side -----------------------------------------------------------------------------
     def get(self, key):
@@ -153,16 +170,19 @@ class StepPrograms:
     def _compile_lowered(self, key, tier, lowered, trace_s, lower_s):
         if self.before_compile is not None:
             self.before_compile(key, tier)
+        hits = getattr(_hits, "count", 0)
         t0 = time.perf_counter()
         program = lowered.compile()
         done = time.perf_counter()
+        source = "disk" if getattr(_hits, "count", 0) > hits else "compiled"
         with self._lock:
             if not self.ready(key, tier):   # a better tier may have landed meanwhile
                 self.programs[key], self.tier[key] = program, tier
             if tier == TUNED and self.tuned_on_disk is not None:
                 self.tuned_on_disk.add(key)
             T, variant, _ = key
-            self.log.append({"bucket": T, "variant": variant.name(), "tier": tier, "trace_s": round(trace_s, 3),
+            self.log.append({"bucket": T, "variant": variant.name(), "tier": tier, "source": source,
+                             "trace_s": round(trace_s, 3),
                              "lower_s": round(lower_s, 3), "compile_s": round(done - t0, 3), "done_at": done,
                              "thread": "main" if threading.current_thread() is threading.main_thread() else "pool"})
 

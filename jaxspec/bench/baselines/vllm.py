@@ -13,6 +13,9 @@ not ignored (after a complete output vLLM stops masking: ignored, it would gener
 the warm-up runs constrained too, so that vLLM compiles the grammar before the timed run.
 
     python -m jaxspec.bench.baselines.vllm REQUEST.json RESULT.json     # what the bench runs
+
+`jaxspec-bench startup --baseline vllm` (`startup_runs`) times vLLM's own start instead: `import vllm`, `LLM(...)`
+and the first token, in a fresh process per run (`python -c`: nothing of jaxspec imported there), cold and warm.
 """
 from __future__ import annotations
 
@@ -123,6 +126,84 @@ def side_by_side(args, model, workload, ours: dict) -> dict:
     return res
 
 
+def vllm_importable(python: str = sys.executable) -> bool:
+    """Whether `python` (an interpreter) can import vLLM."""
+    if python == sys.executable:
+        return vllm_available()
+    try:
+        return subprocess.run([python, "-c", "import importlib.util, sys; "
+                               "sys.exit(importlib.util.find_spec('vllm') is None)"],
+                              capture_output=True, timeout=120).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+# `jaxspec-bench startup --baseline vllm`'s child: run as `python -c` so that nothing of jaxspec is imported in the
+# process timed. argv[1]: {"kwargs": LLM's keywords, "prompt": token ids, "temperature", "seed",
+# "triton_gdn_unless_flashinfer"}. Prints one JSON line: the phases in seconds since $JAXSPEC_STARTUP_T0.
+_STARTUP_CHILD = r"""
+import time
+t_wall, t_perf = time.time(), time.perf_counter()
+import importlib.util, json, os, sys
+r, t0 = json.loads(sys.argv[1]), float(os.environ.get("JAXSPEC_STARTUP_T0", t_wall))
+since = lambda: round(time.perf_counter() - t_perf + t_wall - t0, 4)
+phases = {}
+import vllm
+from vllm import LLM, SamplingParams
+phases["import"] = since()
+kwargs = r["kwargs"]
+if r["triton_gdn_unless_flashinfer"] and importlib.util.find_spec("flashinfer") is None:
+    kwargs["gdn_prefill_backend"] = "triton"
+llm = LLM(**kwargs)
+phases["engine"] = since()
+out = llm.generate([{"prompt_token_ids": r["prompt"]}], SamplingParams(temperature=r["temperature"], seed=r["seed"],
+                   max_tokens=1, ignore_eos=True, detokenize=False), use_tqdm=False)
+assert len(out[0].outputs[0].token_ids) == 1
+phases["first_token"] = since()
+phases["all_compiled"] = phases["engine"]   # vLLM compiles and captures its graphs inside LLM(...)
+torch = sys.modules.get("torch")   # vLLM's; not imported here if vLLM did not
+device = torch.cuda.get_device_name(0) if torch is not None and torch.cuda.is_available() else None
+sys.stdout.flush()
+print(json.dumps({"phases": phases, "device": device, "vllm": getattr(vllm, "__version__", None),
+                  "torch": getattr(torch, "__version__", None)}), flush=True)
+"""
+
+
+def startup_runs(args, cache_root: str, prompt: list[int]) -> list[dict]:
+    """`jaxspec-bench startup --baseline vllm`: vLLM's start-up, `import vllm`, `LLM(...)` and the first token of
+    `prompt` (max_tokens=1), in a fresh process per run of --runs: cold with empty vLLM, TorchInductor, Triton and
+    CUDA caches under `cache_root`, warm with the caches the last cold run left. Rows labelled vllm-cold/vllm-warm,
+    their phases in seconds since the process started, like jaxspec's."""
+    from jaxspec.bench.startup import T0_ENV, child_result
+    from jaxspec.models.presets import PRESETS, preset_path
+
+    def path(spec):
+        return str(preset_path(spec)) if spec in PRESETS else spec
+    request = build_request(args, [prompt], [1], args.vllm_model or path(args.model),
+                            path(args.draft_model) if args.draft_model else None)
+    kwargs = engine_kwargs(request, has_flashinfer=True)   # without FlashInfer: decided in the child, below
+    kwargs["disable_log_stats"] = True
+    task = {"kwargs": kwargs, "prompt": prompt, "temperature": args.temperature, "seed": args.seed,
+            "triton_gdn_unless_flashinfer": _has_linear_attention(_read_config(request["model"]))}
+    config = {k: request[k] for k in ("model", "max_num_seqs", "max_model_len", "max_num_batched_tokens", "dtype",
+                                      "random_weights", "speculative_config", "gpu_memory_utilization")}
+    rows, cache = [], None
+    for i, kind in enumerate(args.runs):
+        if kind == "cold":
+            cache = tempfile.mkdtemp(dir=cache_root, prefix=f"vllm-{i}-cold-")
+        env = dict(os.environ, VLLM_CACHE_ROOT=os.path.join(cache, "vllm"),
+                   TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"),
+                   TRITON_CACHE_DIR=os.path.join(cache, "triton"), CUDA_CACHE_PATH=os.path.join(cache, "cuda"),
+                   VLLM_USE_FLASHINFER_SAMPLER=os.environ.get("VLLM_USE_FLASHINFER_SAMPLER", "0"))
+        env[T0_ENV] = repr(time.time())
+        proc = subprocess.run([args.vllm_python, "-c", _STARTUP_CHILD, json.dumps(task)], env=env,
+                              stdout=subprocess.PIPE, text=True)   # stderr (vLLM's log) passes through
+        res = child_result(proc, f"vLLM's {kind} start-up run")
+        rows.append({"run": f"vllm-{kind}", **res, "config": config, "cache_dir": cache})
+    return rows
+
+
+
 def _metric_values(metrics) -> dict:
     """vLLM's metrics (Counter: .value, Vector: .values) by name, summed over label sets."""
     out = {}
@@ -164,12 +245,9 @@ def _has_linear_attention(config: dict) -> bool:
     return "linear_attention" in (text.get("layer_types") or [])
 
 
-def _child(request_path: str, result_path: str):
-    import numpy as np
-    from vllm import LLM, SamplingParams
-
-    with open(request_path) as f:
-        r = json.load(f)
+def engine_kwargs(r: dict, has_flashinfer: bool | None = None) -> dict:
+    """vLLM's `LLM(...)` keywords for a request of `build_request`. `has_flashinfer`: whether vLLM's interpreter has
+    FlashInfer (None: this one's)."""
     spec, structured = r["speculative_config"], r.get("structured_outputs")
     kwargs = dict(model=r["model"], max_num_seqs=r["max_num_seqs"], max_model_len=r["max_model_len"],
                   max_num_batched_tokens=r["max_num_batched_tokens"], dtype=r["dtype"], seed=r["seed"],
@@ -190,12 +268,25 @@ def _child(request_path: str, result_path: str):
         # a vision-language checkpoint (Qwen3.5) serving token ids: no vision tower, no image-processor profiling
         # (which needs processor files that a config-only directory lacks)
         kwargs["language_model_only"] = True
-    if _has_linear_attention(config) and importlib.util.find_spec("flashinfer") is None:
+    if has_flashinfer is None:
+        has_flashinfer = importlib.util.find_spec("flashinfer") is not None
+    if _has_linear_attention(config) and not has_flashinfer:
         # vLLM's default Gated DeltaNet prefill kernel on Hopper is FlashInfer's; without FlashInfer installed it
         # fails at the first prefill, so take vLLM's other kernel (Triton, from flash-linear-attention)
         kwargs["gdn_prefill_backend"] = "triton"
     if spec is not None:
         kwargs["speculative_config"] = spec
+    return kwargs
+
+
+def _child(request_path: str, result_path: str):
+    import numpy as np
+    from vllm import LLM, SamplingParams
+
+    with open(request_path) as f:
+        r = json.load(f)
+    spec, structured = r["speculative_config"], r.get("structured_outputs")
+    kwargs = engine_kwargs(r)
     llm = LLM(**kwargs)
     prompts = [{"prompt_token_ids": ids} for ids in r["prompts"]]
 
