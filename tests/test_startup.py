@@ -155,3 +155,29 @@ def test_tuned_programs_on_disk_are_remembered(tmp_path):
     programs.tuned_on_disk = again
     assert [programs.start_tier(k) for k in ((8, greedy, None), (16, sample, None), (16, greedy, None))] == [
         "tuned", "tuned", "fast"]
+
+
+def test_adaptive_k_prefill_runs_a_compiled_width_while_others_compile(target, drafters, monkeypatch):  # noqa: F811
+    """Adaptive k's prefill chunks run the width-0 program when it exists; while only the full width is compiled
+    (the rest held back), they run that one instead of waiting for a compile, and decoding stays exact."""
+    release = threading.Event()
+    init = StepPrograms.__init__
+
+    def init_holding(self, *a, **kw):
+        init(self, *a, **kw)
+        # every compile but the start's own (the smallest bucket at the full width) waits for the release
+        self.before_compile = lambda key, tier: (key[0] == 8 and key[1].drafts is None) or release.wait(120)
+    monkeypatch.setattr(StepPrograms, "__init__", init_holding)
+    spec = dict(method="draft_model", num_speculative_tokens=2, model=drafters["draft_model"], adaptive=True)
+    prompts = [prompt_of(21, 7)]   # three 8-token prefill chunks before the first token
+    params = SamplingParams(temperature=0, max_tokens=8)
+    llm = LLM(target, **ENGINE16, warmup="tiered", speculative_config=spec)
+    try:
+        out = llm.generate(prompts, params, use_tqdm=False)
+        assert llm.engine.runner.compiled_on_demand == 0 and llm.engine.runner.programs.compiling()
+    finally:
+        llm.engine.runner.programs.stop()   # the held compiles are dropped, not waited for
+        release.set()
+    monkeypatch.setattr(StepPrograms, "__init__", init)
+    plain = LLM(target, **ENGINE16, warmup=False).generate(prompts, params, use_tqdm=False)
+    assert out[0].token_ids == plain[0].token_ids

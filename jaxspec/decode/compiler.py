@@ -170,6 +170,8 @@ class StepPrograms:
     def _compile_lowered(self, key, tier, lowered, trace_s, lower_s):
         if self.before_compile is not None:
             self.before_compile(key, tier)
+        if self._stop.is_set() and threading.current_thread() is not threading.main_thread():
+            return   # stopped: what was lowered is dropped
         hits = getattr(_hits, "count", 0)
         t0 = time.perf_counter()
         program = lowered.compile()

@@ -72,7 +72,7 @@ class StepBuilder:
         variant = StepVariant.union([row.request.step_variant for row in rows if row.sample])
         if any(row.start >= 0 and row.request.needs_prompt_logprobs for row in rows):
             variant = dataclasses.replace(variant, prompt_logprobs=True)
-        width, proposed = self._draft_width(rows, index)
+        width, proposed = self._draft_width(rows, index, T)
         if width != self.step_config.num_speculative_tokens:
             variant = dataclasses.replace(variant, drafts=width)
         return StepPlan(rows, inp, variant, num_tokens, T, width, proposed)
@@ -126,7 +126,7 @@ class StepBuilder:
         init = req.grammar.walk(req.output_token_ids) if row.start >= 0 and row.sample else -1
         return self.grammar_tables.base(req.grammar), init
 
-    def _draft_width(self, rows: list[ScheduledRow], index: int) -> tuple[int, int]:
+    def _draft_width(self, rows: list[ScheduledRow], index: int, T: int) -> tuple[int, int]:
         """-> (the step's draft width, the k it proposes for its sampling rows). k is K, or the chooser's pick
         under adaptive speculation; each row's next decode step verifies that many. The width is at least k
         and every row's drafts to verify (a step that lowers k still verifies the drafts proposed before it)."""
@@ -141,4 +141,10 @@ class StepBuilder:
             row.request.num_proposed = k
         if self.k_chooser is None:
             return K, k
-        return max([k if sampling else 0] + [row.num_drafts for row in rows]), k
+        width = max([k if sampling else 0] + [row.num_drafts for row in rows])
+        ready = self.k_chooser.ready
+        if ready is not None and not ready(width, T):
+            # programs still compile in the background: a step that proposes nothing of its own width (a prefill
+            # chunk) runs the narrowest compiled program that is wider, rather than wait for its own
+            width = next((w for w in range(width + 1, K + 1) if ready(w, T)), width)
+        return width, k
