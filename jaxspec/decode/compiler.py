@@ -17,12 +17,14 @@ of the grammar table a grammar variant reads).
 """
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import json
 import os
 import pathlib
 import threading
 import time
+import weakref
 from typing import Callable
 
 FAST, TUNED = "fast", "tuned"
@@ -43,6 +45,18 @@ def _listen_for_cache_hits():
         import jax
         jax.monitoring.register_event_listener(_count_cache_hits)
         _listening = True
+
+
+_BACKGROUND: "weakref.WeakSet[StepPrograms]" = weakref.WeakSet()   # engines compiling in the background
+
+
+@atexit.register
+def _stop_background_compiles():
+    """At exit, background compiles stop after the one in progress, which is waited for: a thread left inside XLA's
+    compiler while the interpreter and XLA's objects are torn down can crash the exit."""
+    for programs in list(_BACKGROUND):
+        programs.stop()
+        programs.join(timeout=120)
 
 
 def compile_threads() -> int:
@@ -203,6 +217,7 @@ class StepPrograms:
             except BaseException as e:   # noqa: BLE001 - kept for the engine to report; the loop goes on
                 self.failure = e
         self._thread = threading.Thread(target=run, name="jaxspec-compile", daemon=True)
+        _BACKGROUND.add(self)
         self._thread.start()
 
     def compiling(self) -> bool:
@@ -219,3 +234,8 @@ class StepPrograms:
     def stop(self):
         """Stops the background compiles after the one in progress."""
         self._stop.set()
+
+    def join(self, timeout: float | None = None):
+        """Waits for the background thread to end (after `stop`: the compile in progress)."""
+        if self._thread is not None:
+            self._thread.join(timeout)
