@@ -116,13 +116,14 @@ def test_adaptive_k_picks_only_compiled_widths():
     assert c.choose(20, 2) == 3
 
 
-def test_fast_programs_are_replaced_by_tuned_ones(target, monkeypatch):  # noqa: F811
+def test_fast_programs_are_replaced_by_tuned_ones(target, monkeypatch, tmp_path):  # noqa: F811
     """With the GPU's two tiers (their options: a CPU compile accepts and ignores them), a tiered engine serves
     from fast programs and swaps each for its tuned one when that lands; every warm program ends tuned and the
     tokens never change."""
     import dataclasses
 
     from jaxspec.nn.ops import Ops
+    monkeypatch.setenv("JAXSPEC_CACHE", str(tmp_path))   # no tuned-on-disk hint from an earlier run
     for_backend = Ops.for_backend
     monkeypatch.setattr(Ops, "for_backend", staticmethod(
         lambda *a, **kw: dataclasses.replace(for_backend(*a, **kw), cublas_from_tokens=16)))

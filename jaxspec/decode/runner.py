@@ -122,8 +122,8 @@ class ModelRunner:
         self._logit_bias_spec = spec(self.logit_bias_table)
         self._box_sharding = self.input_sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
         if self._tiers(self.token_buckets[0]) != (TUNED,) and jax.config.jax_compilation_cache_dir:
-            self.programs.tuned_on_disk = TunedOnDisk(
-                pathlib.Path(jax.config.jax_compilation_cache_dir).parent / "programs" / f"{self.fingerprint()}.json")
+            from jaxspec.models.presets import cache_dir
+            self.programs.tuned_on_disk = TunedOnDisk(cache_dir() / "programs" / f"{self.fingerprint()}.json")
 
     # ---- shapes ------------------------------------------------------------------------------------
     def bucket_for(self, num_tokens: int) -> int:
