@@ -183,8 +183,8 @@ def test_every_step_call_sees_the_same_buffers(monkeypatch):
     orig = runner.step_fn
     address = lambda tree: tuple(a.unsafe_buffer_pointer() for a in jax.tree_util.tree_leaves(tree))  # noqa: E731
 
-    def step_fn(T, variant):
-        fn = orig(T, variant)
+    def step_fn(T, variant, *grammar):
+        fn = orig(T, variant, *grammar)
 
         def call(params, drafter_params, state, inbox, outbox, *rest):
             before = address((state, inbox, outbox))

@@ -66,7 +66,8 @@ def compile_threads() -> int:
 
 class TunedOnDisk:
     """The programs whose tuned tier an engine of the same fingerprint compiled on this machine before, kept in a
-    small file beside JAX's persistent compilation cache, which holds their executables: those load in about a
+    small file in jaxspec's cache directory, beside JAX's persistent compilation cache, which holds their executables
+    (kept there only while that cache is on): those load in about a
     second, so a tiered start takes them at once instead of compiling their fast tier first. A hint only: a program
     it names that is no longer in the cache compiles (autotunes) again, to the same program."""
 
@@ -102,7 +103,7 @@ class TunedOnDisk:
 
 
 class StepPrograms:
-    """`lower(key, tier, table_specs)` -> (jax.stages.Lowered, trace seconds, lower seconds); `tiers(bucket)` -> the
+    """`lower(key, tier, grammar_spec)` -> (jax.stages.Lowered, trace seconds, lower seconds); `tiers(bucket)` -> the
     tiers a bucket's programs have, cheapest first. `get(key)` is the loop's lookup; `compile` compiles now (the
     caller waits), `start_background` on a thread of its own."""
 

@@ -61,6 +61,11 @@ def logit_bias_row(bias: dict[int, float]) -> np.ndarray:
     return row
 
 
+def _spec(a) -> jax.ShapeDtypeStruct:
+    """An array's shape, dtype and placement: what a program is compiled for."""
+    return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
+
+
 def _write_history(state, slot, ids, n):
     pos = jnp.arange(ids.shape[0])
     return state.replace(history=state.history.at[slot, jnp.where(pos < n, pos, state.history.shape[1])].set(
@@ -117,9 +122,8 @@ class ModelRunner:
         self.last_run_compiled = False   # the last `run` compiled its step (its time is no measure of the step)
         # What the programs take, as shapes, dtypes and placements: compiles on another thread never touch the
         # live (donated) state.
-        spec = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)   # noqa: E731
-        self._arg_specs = jax.tree_util.tree_map(spec, (self.params, self.drafter_params, self.state))
-        self._logit_bias_spec = spec(self.logit_bias_table)
+        self._arg_specs = jax.tree_util.tree_map(_spec, (self.params, self.drafter_params, self.state))
+        self._logit_bias_spec = _spec(self.logit_bias_table)
         self._box_sharding = self.input_sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
         if self._tiers(self.token_buckets[0]) != (TUNED,) and jax.config.jax_compilation_cache_dir:
             from jaxspec.models.presets import cache_dir
@@ -202,16 +206,14 @@ class ModelRunner:
 
     def step_fn(self, T: int, variant: StepVariant, grammar_table=None):
         """The compiled program of bucket T and this variant (the best tier compiled so far; compiled now at
-        `on_demand_tier` when there is none)."""
+        `on_demand_tier` when there is none, and `last_run_compiled` set)."""
         key = self.program_key(T, variant, grammar_table)
         program = self.programs.get(key)
         if program is None:
-            grammar_spec = None
-            if variant.grammar:
-                grammar_spec = jax.tree_util.tree_map(
-                    lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), grammar_table)
+            grammar_spec = jax.tree_util.tree_map(_spec, grammar_table) if variant.grammar else None
             self.programs.compile([key], self.on_demand_tier, grammar_spec, parallel=False)
             self.compiled_on_demand += 1
+            self.last_run_compiled = True
             program = self.programs.get(key)
         return program
 
@@ -220,7 +222,7 @@ class ModelRunner:
         variant also reads `grammar_table` (jaxspec.decode.grammar.GrammarTable, already on the device)."""
         t0 = time.perf_counter()
         T = inputs.token_matrix.shape[1]
-        self.last_run_compiled = self.programs.get(self.program_key(T, variant, grammar_table)) is None
+        self.last_run_compiled = False   # step_fn sets it when it compiles
         # The packed host buffer goes straight into the load's call, which transfers it (a separate
         # jax.device_put cost ~40 us more host time per step on the CPU backend). It is built for this step
         # alone and never written again: on the CPU backend the call may read it after returning.
@@ -263,7 +265,7 @@ class ModelRunner:
         outbox = self._outboxes.pop((T, variant), None)
         if outbox is None:
             outbox = self.new_outbox(T, variant)
-        program = self.step_fn(T, variant, grammar_table) if variant.grammar else self.step_fn(T, variant)
+        program = self.step_fn(T, variant, grammar_table)
         self.state, outbox = program(self.params, self.drafter_params, self.state, inbox, outbox,
                                      *self._table_args(variant, grammar_table))
         self._outboxes[(T, variant)] = outbox
@@ -292,10 +294,7 @@ class ModelRunner:
         bucket's best). Grammar variants are compiled for `grammar_table`'s shapes."""
         buckets = self.token_buckets if buckets is None else buckets
         keys = [self.program_key(T, v, grammar_table) for T in buckets for v in variants]
-        grammar_spec = None
-        if grammar_table is not None:
-            grammar_spec = jax.tree_util.tree_map(
-                lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), grammar_table)
+        grammar_spec = jax.tree_util.tree_map(_spec, grammar_table) if grammar_table is not None else None
         self.programs.compile(keys, tier, grammar_spec, desc=desc)
 
     def ready_buckets(self, variants) -> list[int]:

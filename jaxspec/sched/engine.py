@@ -433,7 +433,7 @@ class Engine:
             if chooser is not None:
                 chooser.ready, chooser.budget = None, self.config.max_num_batched_tokens
             return
-        ready = runner.ready_buckets([v for v in WARM_VARIANTS])
+        ready = runner.ready_buckets(WARM_VARIANTS)
         runner.serving_buckets = ready or None
         self.scheduler.max_num_batched_tokens = min(self.config.max_num_batched_tokens,
                                                     ready[-1] if ready else self.config.max_num_batched_tokens)
