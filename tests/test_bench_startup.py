@@ -82,6 +82,7 @@ def test_cold_then_warm_start_reports_phases_and_compiles(tmp_path, tiny_config_
     assert {e["source"] for e in cold["compile_log"]} == {"compiled"}
     assert {e["source"] for e in warm["compile_log"]} == {"disk"}
     assert warm["variants_from_disk"] == warm["variants_compiled"]
+    assert len(cold["check_tokens"]) == 16 and warm["check_tokens"] == cold["check_tokens"]
     printed = capsys.readouterr().out
     assert "first token" in printed and "all compiled" in printed and "\nwarm " in printed and "vllm-warm" in printed
 
@@ -97,3 +98,13 @@ def test_bad_arguments_are_named(argv, message, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert message in err and err.startswith("jaxspec-bench startup: error:")
+
+
+def test_runs_that_decode_differently_are_an_error(monkeypatch, capsys):
+    """A warm run whose programs came from the disk must decode the cold run's tokens: a difference stops the bench."""
+    import jaxspec.bench.startup as startup
+    ran = iter([[5, 6, 7], [5, 6, 8]])
+    monkeypatch.setattr(startup, "run_child", lambda argv, kind, cache: {
+        "run": kind, "phases": {"import": 1.0}, "device": "cpu", "check_tokens": next(ran)})
+    with pytest.raises(SystemExit, match=r"different tokens from one prompt: \[\(5, 6, 7\), \(5, 6, 8\)\]"):
+        startup.run(["--random-weights", "--runs", "cold", "warm"])

@@ -140,22 +140,45 @@ def test_fast_programs_are_replaced_by_tuned_ones(target, monkeypatch, tmp_path)
     assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == [o.token_ids for o in first]
 
 
-def test_tuned_programs_on_disk_are_remembered(tmp_path):
-    """A tiered start takes a program at its tuned tier at once where an engine of the same fingerprint compiled
-    that tier on this machine before (its executable is in the persistent cache); others start fast."""
-    from jaxspec.decode.compiler import TunedOnDisk
-    greedy, sample = StepVariant(), StepVariant(sample=True, drafts=1)
-    programs = StepPrograms(lower=None, tiers=lambda T: ("fast", "tuned"))
-    programs.tuned_on_disk = TunedOnDisk(tmp_path / "programs" / "abc.json")
-    assert programs.start_tier((8, greedy, None)) == "fast"
-    programs.tuned_on_disk.add((8, greedy, None))
-    programs.tuned_on_disk.add((16, sample, None))
-    programs.tuned_on_disk.add((8, StepVariant(grammar=True), ("tree", ((4,),))))   # grammar shapes: not kept
-    again = TunedOnDisk(tmp_path / "programs" / "abc.json")
-    assert again.names == {"8:greedy", "16:sample/k1"}
-    programs.tuned_on_disk = again
-    assert [programs.start_tier(k) for k in ((8, greedy, None), (16, sample, None), (16, greedy, None))] == [
-        "tuned", "tuned", "fast"]
+def test_a_warm_start_loads_the_stored_programs(target, drafters, monkeypatch, tmp_path):  # noqa: F811
+    """An engine keeps its compiled programs in the store; the next engine of the same fingerprint loads every one
+    of them (tuned at once, nothing traced, lowered or compiled) and decodes the same tokens, speculation included.
+    A stored file that does not load is removed and its program compiled (here: from JAX's persistent cache)."""
+    import dataclasses
+
+    from jaxspec.nn.ops import Ops
+    monkeypatch.setenv("JAXSPEC_CACHE", str(tmp_path))
+    monkeypatch.setenv("JAXSPEC_PROGRAM_STORE", "1")   # on the CPU only within one process (see store_wanted)
+    for_backend = Ops.for_backend
+    monkeypatch.setattr(Ops, "for_backend", staticmethod(   # the GPU's two tiers for bucket 8
+        lambda *a, **kw: dataclasses.replace(for_backend(*a, **kw), cublas_from_tokens=16)))
+    spec = dict(method="draft_model", num_speculative_tokens=2, model=drafters["draft_model"])
+    prompts = [prompt_of(12, 3), prompt_of(9, 4)]
+    params = [SamplingParams(temperature=0, max_tokens=8), SamplingParams(temperature=0.9, seed=3, max_tokens=8)]
+
+    def engine(warmup):
+        # a KV pool of its own: programs no other test has put in the session's persistent cache (a program loaded
+        # from there is not stored), compiled here
+        llm = LLM(target, **{**ENGINE16, "num_kv_blocks": 17}, warmup=warmup, speculative_config=spec)
+        assert llm.engine.wait_compiled(120)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        llm.engine.runner.programs.store.flush()
+        return llm, [o.token_ids for o in outs]
+
+    first, tokens = engine("full")
+    assert first.stats()["spec"]["accepted_tokens"] > 0
+    store = first.engine.runner.programs.store
+    names = {f"{T}-{v.name()}-tuned" for T in BUCKETS for v in WARM_VARIANTS}
+    assert {p.stem for p in store.dir.glob("*.xla")} == names
+    again, again_tokens = engine("tiered")
+    log = again.engine.runner.programs.log
+    assert [e["source"] for e in log] == ["store"] * len(names) and {e["tier"] for e in log} == {"tuned"}
+    assert again_tokens == tokens and again.stats()["recompiles"] == 0
+    (store.dir / "8-sample-tuned.xla").write_bytes(b"not a program")
+    third, third_tokens = engine("tiered")
+    sources = {(e["bucket"], e["variant"]): e["source"] for e in third.engine.runner.programs.log}
+    assert sources.pop((8, "sample")) != "store" and set(sources.values()) == {"store"}
+    assert third_tokens == tokens and not (store.dir / "8-sample-tuned.xla").exists()   # removed, not loaded again
 
 
 def test_adaptive_k_prefill_runs_a_compiled_width_while_others_compile(target, drafters, monkeypatch):  # noqa: F811

@@ -126,12 +126,15 @@ def run(argv: list[str]) -> list[dict]:
             import shutil
             shutil.rmtree(root, ignore_errors=True)
     print_table(results, note=vllm_missing)
+    checks = [tuple(r["check_tokens"]) for r in results if r.get("check_tokens") is not None]
     if args.json:
         out = {"startup": results, "args": {k: v for k, v in vars(args).items() if _plain(v)}}
         if vllm_missing:
             out["vllm"] = vllm_missing
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)
+    if len(set(checks)) > 1:
+        raise SystemExit(f"jaxspec-bench startup: error: the runs decoded different tokens from one prompt: {checks}")
     return results
 
 
@@ -192,6 +195,9 @@ def print_table(results: list[dict], note: str | None = None):
 
 
 # ---- the child -------------------------------------------------------------------------------------------
+CHECK_TOKENS = 16   # a greedy continuation each run decodes after its phases
+
+
 def child(kind: str, argv: list[str]):
     """One run: the phases, in seconds since $JAXSPEC_STARTUP_T0 (the parent's clock just before it started this
     process), printed as one JSON line."""
@@ -248,7 +254,7 @@ def child(kind: str, argv: list[str]):
     else:
         phases["all_compiled"] = None
     result = {"run": kind, "phases": phases, "variants_compiled": len(log) if log is not None else None,
-              "variants_from_disk": (sum(e.get("source") == "disk" for e in log)
+              "variants_from_disk": (sum(e.get("source") in ("disk", "store") for e in log)
                                      if log is not None and any("source" in e for e in log) else None),
               "compile_log": log, "wait_compiled_returned": waited,
               "engine_startup": _rounded(getattr(llm, "startup", None)),
@@ -256,6 +262,14 @@ def child(kind: str, argv: list[str]):
               "config": {**config_of(args), "vocab_size": model.config.vocab_size}, "device": device,
               "backend": jax.default_backend(), "num_devices": len(jax.devices()), "jax": jax.__version__,
               "cache_dir": os.environ.get("JAXSPEC_CACHE")}
+    # after the phases: a greedy continuation every run of one configuration must decode alike (a program loaded
+    # from the disk computes what the compiled one does)
+    check = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=CHECK_TOKENS, ignore_eos=True),
+                         use_tqdm=False)
+    result["check_tokens"] = list(check[0].token_ids)
+    store = getattr(getattr(llm.engine.runner, "programs", None), "store", None)
+    if store is not None:
+        store.flush()   # the programs compiled so far are on disk for the next run
     sys.stdout.flush()
     print(json.dumps(result), flush=True)
     if not args.wait_compiled:   # the background compiles are not waited for: end the process where it stands

@@ -13,13 +13,13 @@ So each program has two tiers:
     tuned  the engine's measured choice (Ops.compiler_options: autotuned Triton GEMMs below 128 tokens)
 Where the two are the same compile (a CPU), there is one. A program's tuned tier replaces its fast one when it
 lands; a step always runs the best tier compiled so far. Programs are keyed by (token bucket, variant, the shapes
-of the grammar table a grammar variant reads).
+of the grammar table a grammar variant reads). On a GPU every compiled program is also kept in a ProgramStore, from
+which the next engine of the same fingerprint loads it without tracing, lowering or compiling.
 """
 from __future__ import annotations
 
 import atexit
 import concurrent.futures
-import json
 import os
 import pathlib
 import threading
@@ -64,42 +64,97 @@ def compile_threads() -> int:
     return max(1, min(16, os.cpu_count() or 1))
 
 
-class TunedOnDisk:
-    """The programs whose tuned tier an engine of the same fingerprint compiled on this machine before, kept in a
-    small file in jaxspec's cache directory, beside JAX's persistent compilation cache, which holds their executables
-    (kept there only while that cache is on): those load in about a
-    second, so a tiered start takes them at once instead of compiling their fast tier first. A hint only: a program
-    it names that is no longer in the cache compiles (autotunes) again, to the same program."""
+def store_wanted(platform: str) -> bool:
+    """Whether engines keep their compiled programs in a ProgramStore: JAXSPEC_PROGRAM_STORE "1" / "0", or (unset,
+    "auto") on GPUs only. A CPU program serialized by one process failed to run in another ("Function ... not
+    found": its code is not all in the serialized bytes), docs/lab/2026-11-26-startup.md."""
+    value = os.environ.get("JAXSPEC_PROGRAM_STORE", "auto")
+    if value not in ("auto", "0", "1"):
+        raise ValueError(f"JAXSPEC_PROGRAM_STORE={value!r}; valid: auto, 0, 1")
+    return value == "1" or (value == "auto" and platform in ("gpu", "cuda", "rocm"))
 
-    def __init__(self, path):
-        self.path = pathlib.Path(path)
-        self._lock = threading.Lock()
+
+class ProgramStore:
+    """Compiled step programs kept on disk per engine fingerprint (the runner's hash of everything a program is
+    compiled from, jaxspec's source included), one file per program and tier. A warm start loads a program from here
+    without tracing or lowering it, which JAX's persistent cache needs first to compute its key (0.85 s a program for
+    the 1.5B model, 2.1 s with a draft model, measured on an H100), and knows at once which programs it has tuned.
+    A file that fails to load is removed and its program compiled again. Only programs compiled by this process are
+    kept: a CPU program loaded from JAX's persistent cache and serialized again failed to run ("Function ... not
+    found"). The fingerprints used least recently are pruned beyond `keep`."""
+
+    SUFFIX = ".xla"
+
+    def __init__(self, root, fingerprint: str, keep: int = 8):
+        self.dir = pathlib.Path(root) / fingerprint
+        self.saves = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxspec-store")
         try:
-            self.names = set(json.loads(self.path.read_text()))
-        except (OSError, ValueError):
+            self.dir.mkdir(parents=True, exist_ok=True)
+            os.utime(self.dir)
+            self.names = {p.name[:-len(self.SUFFIX)] for p in self.dir.glob("*" + self.SUFFIX)}
+            others = sorted((p for p in self.dir.parent.iterdir() if p.is_dir() and p != self.dir),
+                            key=lambda p: p.stat().st_mtime, reverse=True)
+            for old in others[keep - 1:]:
+                for f in old.iterdir():
+                    f.unlink()
+                old.rmdir()
+        except OSError:
             self.names = set()
 
     @staticmethod
-    def name(key) -> str | None:
+    def name(key, tier: str) -> str | None:
         T, variant, grammar = key
-        return None if grammar is not None else f"{T}:{variant.name()}"
+        # grammar programs are compiled for a table's shapes, which grow with the constraints served: not kept
+        return None if grammar is not None else f"{T}-{variant.name().replace('/', '_')}-{tier}"
 
-    def has(self, key) -> bool:
-        return self.name(key) in self.names
+    def has(self, key, tier: str) -> bool:
+        return self.name(key, tier) in self.names
 
-    def add(self, key):
-        name = self.name(key)
-        if name is None or name in self.names:
-            return
-        with self._lock:
+    def load(self, key, tier: str):
+        """The stored program (jax.stages.Compiled), or None where it is not there or does not load."""
+        import pickle
+
+        import jax
+
+        from jax.experimental import serialize_executable
+        name = self.name(key, tier)
+        if name not in self.names:
+            return None
+        path = self.dir / (name + self.SUFFIX)
+        try:
+            payload, in_tree, out_tree, device_ids = pickle.loads(path.read_bytes())
+            by_id = {d.id: d for d in jax.devices()}
+            return serialize_executable.deserialize_and_load(payload, in_tree, out_tree,
+                                                             execution_devices=[by_id[i] for i in device_ids])
+        except Exception:   # noqa: BLE001 - a stale or truncated file: compiled again, and replaced
+            self.names.discard(name)
+            path.unlink(missing_ok=True)
+            return None
+
+    def save(self, key, tier: str, program):
+        """Writes the program on the store's own thread (serializing a large program takes a while)."""
+        name = self.name(key, tier)
+        if name is not None and name not in self.names:
             self.names.add(name)
-            try:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-                tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
-                tmp.write_text(json.dumps(sorted(self.names)))
-                os.replace(tmp, self.path)
-            except OSError:
-                pass   # a read-only cache: the hint is lost, nothing else
+            self.saves.submit(self._write, name, program)
+
+    def _write(self, name: str, program):
+        import pickle
+
+        from jax.experimental import serialize_executable
+        try:
+            # the devices it runs on, in its order (one of several, or a tensor-parallel group)
+            device_ids = [d.id for d in program._executable._unloaded_executable.device_list]
+            data = pickle.dumps((*serialize_executable.serialize(program), device_ids))
+            tmp = self.dir / f"{name}.{os.getpid()}.tmp"
+            tmp.write_bytes(data)
+            os.replace(tmp, self.dir / (name + self.SUFFIX))
+        except Exception:   # noqa: BLE001 - a program that does not serialize, a read-only cache: not kept
+            self.names.discard(name)
+
+    def flush(self):
+        """Waits for the writes in progress."""
+        self.saves.submit(lambda: None).result()
 
 
 class StepPrograms:
@@ -116,7 +171,7 @@ class StepPrograms:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self.failure: BaseException | None = None   # what stopped the background compiles
-        self.tuned_on_disk: TunedOnDisk | None = None   # set where a persistent compilation cache keeps programs
+        self.store: ProgramStore | None = None   # set where compiled programs are kept on disk (store_wanted)
         # Called on the compiling thread before each compile with (key, tier): tests hold a compile back with it.
         self.before_compile: Callable[[tuple, str], None] | None = None
         _listen_for_cache_hits()
@@ -126,8 +181,8 @@ class StepPrograms:
         return self.programs.get(key)
 
     def start_tier(self, key) -> str:
-        """The tier a tiered start compiles `key` at first: tuned where the disk cache has it, else fast."""
-        return TUNED if self.tuned_on_disk is not None and self.tuned_on_disk.has(key) else FAST
+        """The tier a tiered start compiles `key` at first: tuned where the store has it, else fast."""
+        return TUNED if self.store is not None and self.store.has(key, TUNED) else FAST
 
     def ready(self, key, tier: str | None = None) -> bool:
         have = self.tier.get(key)
@@ -161,6 +216,7 @@ class StepPrograms:
             return
         from tqdm.auto import tqdm
         bar = tqdm(total=len(jobs), desc=desc, leave=False, disable=desc is None)
+        jobs = self._load_stored(jobs, grammar_spec, bar)
         autotuned = [(k, t) for k, t in jobs if t == TUNED and len(self.tiers(k[0])) > 1]
         plain = [(k, t) for k, t in jobs if (k, t) not in autotuned]
         if parallel and len(plain) > 1:
@@ -182,6 +238,41 @@ class StepPrograms:
             bar.update()
         bar.close()
 
+    def _load_stored(self, jobs, grammar_spec, bar) -> list:
+        """Loads the jobs the store has (in parallel: loading copies each program to the device), and returns the
+        others."""
+        stored = [(k, t) for k, t in jobs if self.store is not None and grammar_spec is None and self.store.has(k, t)]
+        if not stored:
+            return jobs
+        in_background = threading.current_thread() is not threading.main_thread()
+
+        def load(job):
+            key, tier = job
+            if self._stop.is_set() and in_background:
+                return False
+            t0 = time.perf_counter()
+            program = self.store.load(key, tier)
+            if program is not None:
+                self._keep(key, tier, program, "store", 0.0, 0.0, t0, time.perf_counter())
+                bar.update()
+            return program is not None
+
+        with concurrent.futures.ThreadPoolExecutor(min(compile_threads(), len(stored))) as pool:
+            loaded = dict(zip(stored, pool.map(load, stored)))
+        return [job for job in jobs if not loaded.get(job)]
+
+    def _keep(self, key, tier, program, source, trace_s, lower_s, t0, done):
+        with self._lock:
+            if not self.ready(key, tier):   # a better tier may have landed meanwhile
+                self.programs[key], self.tier[key] = program, tier
+            if self.store is not None and source == "compiled":
+                self.store.save(key, tier, program)
+            T, variant, _ = key
+            self.log.append({"bucket": T, "variant": variant.name(), "tier": tier, "source": source,
+                             "trace_s": round(trace_s, 3),
+                             "lower_s": round(lower_s, 3), "compile_s": round(done - t0, 3), "done_at": done,
+                             "thread": "main" if threading.current_thread() is threading.main_thread() else "pool"})
+
     def _compile_lowered(self, key, tier, lowered, trace_s, lower_s):
         if self.before_compile is not None:
             self.before_compile(key, tier)
@@ -192,16 +283,7 @@ class StepPrograms:
         program = lowered.compile()
         done = time.perf_counter()
         source = "disk" if getattr(_hits, "count", 0) > hits else "compiled"
-        with self._lock:
-            if not self.ready(key, tier):   # a better tier may have landed meanwhile
-                self.programs[key], self.tier[key] = program, tier
-            if tier == TUNED and self.tuned_on_disk is not None:
-                self.tuned_on_disk.add(key)
-            T, variant, _ = key
-            self.log.append({"bucket": T, "variant": variant.name(), "tier": tier, "source": source,
-                             "trace_s": round(trace_s, 3),
-                             "lower_s": round(lower_s, 3), "compile_s": round(done - t0, 3), "done_at": done,
-                             "thread": "main" if threading.current_thread() is threading.main_thread() else "pool"})
+        self._keep(key, tier, program, source, trace_s, lower_s, t0, done)
 
     # ---- in the background ---------------------------------------------------------------------------
     def start_background(self, jobs: list[tuple[tuple, str]]):

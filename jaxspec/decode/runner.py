@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.decode.compiler import FAST, TUNED, StepPrograms, TunedOnDisk
+from jaxspec.decode.compiler import FAST, TUNED, ProgramStore, StepPrograms, store_wanted
 from jaxspec.decode.inputs import StepInputs
 from jaxspec.decode.state import DecodeState, StepConfig, init_state, state_schema
 from jaxspec.decode.step import StepVariant, make_step, output_shapes
@@ -37,6 +37,9 @@ from jaxspec.nn.sharding import PARAM_RULES, STATE_RULES
 from jaxspec.sampling_params import MAX_LOGIT_BIAS
 
 MIN_TOKEN_BUCKET = 8
+# JAX settings a traced program depends on (the engine's fingerprint holds them)
+_PROGRAM_SETTINGS = ("jax_enable_x64", "jax_default_matmul_precision", "jax_default_prng_impl",
+                     "jax_numpy_rank_promotion", "jax_threefry_partitionable")
 
 
 def _load_inputs(inbox, buf):
@@ -125,9 +128,10 @@ class ModelRunner:
         self._arg_specs = jax.tree_util.tree_map(_spec, (self.params, self.drafter_params, self.state))
         self._logit_bias_spec = _spec(self.logit_bias_table)
         self._box_sharding = self.input_sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        if self._tiers(self.token_buckets[0]) != (TUNED,) and jax.config.jax_compilation_cache_dir:
+        # Kept on disk beside JAX's persistent cache, and only while that is on.
+        if jax.config.jax_compilation_cache_dir and store_wanted(jax.devices()[0].platform):
             from jaxspec.models.presets import cache_dir
-            self.programs.tuned_on_disk = TunedOnDisk(cache_dir() / "programs" / f"{self.fingerprint()}.json")
+            self.programs.store = ProgramStore(cache_dir() / "programs", self.fingerprint())
 
     # ---- shapes ------------------------------------------------------------------------------------
     def bucket_for(self, num_tokens: int) -> int:
@@ -182,8 +186,13 @@ class ModelRunner:
 
     def fingerprint(self) -> str:
         """What the step programs are compiled from, hashed: the arguments' shapes, dtypes and placements, the model's
-        and drafter's configurations, the step's, the engine's ops, the versions of JAX and jaxspec's own source, and
-        the device. Two engines with one fingerprint compile the same programs."""
+        and drafter's configurations, the step's, the engine's ops, the versions of JAX and jaxlib, XLA_FLAGS and the
+        JAX settings that change a program, jaxspec's own source, and the devices. Two engines with one fingerprint
+        compile the same programs."""
+        import os
+
+        import jaxlib
+
         import jaxspec
         root = pathlib.Path(jaxspec.__file__).parent
         source = hashlib.sha256()
@@ -192,8 +201,9 @@ class ModelRunner:
         drafter = None if self.drafter is None else (type(self.drafter).__name__, repr(getattr(self.drafter, "config", None)))
         facts = (repr(jax.tree_util.tree_map(lambda s: (s.shape, str(s.dtype), repr(s.sharding)), self._arg_specs)),
                  repr(self.target.config), repr(drafter), repr(self.step_config), self.max_rows,
-                 repr(dataclasses.replace(self.ops, autotune_cache_dir=None)), jax.__version__,
-                 jax.devices()[0].device_kind, source.hexdigest())
+                 repr(dataclasses.replace(self.ops, autotune_cache_dir=None)), jax.__version__, jaxlib.__version__,
+                 os.environ.get("XLA_FLAGS", ""), [getattr(jax.config, f) for f in _PROGRAM_SETTINGS],
+                 jax.devices()[0].device_kind, jax.device_count(), source.hexdigest())
         return hashlib.sha256(repr(facts).encode()).hexdigest()[:24]
 
     @staticmethod

@@ -404,7 +404,7 @@ class Engine:
         autotuning and the rest in the background."""
         runner, variants = self.runner, self._warm_variants()
         if self.warmup_mode == "tiered":
-            # the smallest bucket at the full draft width (adaptive k starts there); programs the disk cache holds
+            # the smallest bucket at the full draft width (adaptive k starts there); programs the store holds
             # tuned load at their tuned tier at once
             programs, key = runner.programs, runner.program_key
             first = [key(runner.token_buckets[0], v) for v in variants if v.drafts is None]
