@@ -42,7 +42,7 @@ class LLM:
                  warmup: bool | str = "auto", seed: int = 0, attention: str = "auto", unroll_layers: bool | None = None,
                  tensor_parallel_size: int = 1, structured_compile_timeout: float = 30.0,
                  structured_compile_memory: float = 2.0,
-                 delta_rule: str = "auto", logprobs_mode: str = "raw_logprobs"):
+                 delta_rule: str = "auto", logprobs_mode: str = "raw_logprobs", quantization: str | None = None):
         from jaxspec.models.loader import load_model
 
         t0 = time.perf_counter()
@@ -56,8 +56,9 @@ class LLM:
             attention=attention, unroll_layers=unroll_layers, tensor_parallel_size=tensor_parallel_size,
             structured_compile_timeout=structured_compile_timeout,
             structured_compile_memory=structured_compile_memory, delta_rule=delta_rule,
-            logprobs_mode=logprobs_mode),
+            logprobs_mode=logprobs_mode, quantization=quantization),
             speculative_config)
+        self.model = self.engine.model   # quantized, where asked (a model this LLM loaded is then released)
         self.speculative_config = self.engine.speculative_config
         # Start-up phases in seconds: weights loaded and placed (0 for a model passed in), the engine built, the
         # compiles the constructor waited for (`engine.wait_compiled()` waits for the background ones).

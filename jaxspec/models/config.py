@@ -116,6 +116,13 @@ class ModelConfig:
         if model_type not in _HF_MODEL_TYPES:
             raise ValueError(
                 f"unsupported architecture model_type={model_type!r}; supported: {', '.join(sorted(_HF_MODEL_TYPES))}")
+        quantized = hf.get("quantization_config")
+        if quantized:   # its tensors are not the weights themselves (scales, packed values): refused, never misread
+            scheme = quantized.get("quant_method") if isinstance(quantized, dict) else quantized
+            detail = quantized.get("format") or quantized.get("fmt") if isinstance(quantized, dict) else None
+            raise ValueError(f"quantization_config quant_method={scheme!r}{f' ({detail})' if detail else ''}: "
+                             "checkpoints stored quantized are not supported yet; load the model's bf16 checkpoint "
+                             "with quantization='fp8' (--quantization fp8) to run it in FP8")
         moe_only = hf.get("num_experts") and _HF_MODEL_TYPES[model_type] in HYBRID_ARCHITECTURES
         if "intermediate_size" not in hf and moe_only:   # every layer MoE (Qwen3.5 MoE): no dense MLP width
             hf = {**hf, "intermediate_size": hf.get("moe_intermediate_size", 0)}

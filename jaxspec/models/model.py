@@ -17,6 +17,7 @@ class Model:
     name: str = ""
     dtype: str = "float32"
     source: str | None = None  # the HF directory it was loaded from (MTP drafting reads its mtp.* tensors there)
+    quantization: str | None = None  # "fp8": the layers' projections are e4m3 with scales (jaxspec.nn.quant)
 
     def score(self, token_ids) -> np.ndarray:
         """Logits [T, vocab] of a dense causal forward over `token_ids` (no KV cache)."""

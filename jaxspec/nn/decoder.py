@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from jaxspec.nn.kernels import LayerWeights
 from jaxspec.nn.layers import LAYER_KINDS, CacheShape, per_slot_fields
 from jaxspec.nn.ops import ForwardBatch, Ops, rms_norm
+from jaxspec.nn.quant import quantized_schema
 from jaxspec.nn.schema import Spec, initialize
 
 
@@ -64,6 +65,8 @@ class Decoder:
                              for k in self.kinds}}
         if not c.tie_word_embeddings:
             schema["lm_head"] = Spec((V, D), ("vocab", "embed"))
+        if self.ops.quantization is not None:   # the layers' projections (jaxspec.nn.quant)
+            schema["layers"] = quantized_schema(schema["layers"])
         return schema
 
     def state_schema(self, cache: CacheShape) -> dict:

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxspec.nn import kernels
+from jaxspec.nn import kernels, quant
 from jaxspec.pallas import paged_attention as pa
 
 
@@ -134,6 +134,19 @@ def gemv_matmuls(spec: str) -> frozenset:
     return frozenset(GEMV_MATMULS[n] for n in names)
 
 
+def w8a8_from_tokens(quantization: str | None) -> int | None:
+    """FP8 weights: the smallest step (tokens) whose matmuls quantize activations too. JAXSPEC_FP8_W8A8_FROM: a
+    token count, or "never" (W8A16 at every size, the default until measured)."""
+    if quantization is None:
+        return None
+    value = os.environ.get("JAXSPEC_FP8_W8A8_FROM", "never")
+    if value == "never":
+        return None
+    if not value.isdigit():
+        raise ValueError(f"JAXSPEC_FP8_W8A8_FROM={value!r}; valid: a token count or 'never'")
+    return int(value)
+
+
 def use_compile_cache(path, min_compile_seconds: float = 1.0) -> bool:
     """Keep compiled steps on disk (JAX's persistent compilation cache), so that the next process that builds
     an engine of the same shapes loads its steps instead of compiling them (a GPU step compiles in 4-40 s,
@@ -178,6 +191,11 @@ class Ops:
     # The Pallas attention with the q/k rotary embedding and the KV write inside (`fuses_kv_write`): one kernel
     # instead of five per layer. JAXSPEC_FUSED_ATTENTION=0 keeps them apart (for measuring).
     fused_attention: bool = True
+    # FP8 weights (jaxspec.nn.quant): "fp8" declares the layers' projections as e4m3 with per-channel scales. Steps
+    # of at least w8a8_from_tokens tokens quantize the activations too (an FP8 GEMM); smaller ones convert the
+    # weight inside the matmul (W8A16). None: W8A16 at every size.
+    quantization: str | None = None
+    w8a8_from_tokens: int | None = None
 
     def use_gemv(self, num_tokens: int) -> bool:
         return bool(self.gemv) and self.tp is None and num_tokens <= GEMV_MAX_TOKENS
@@ -198,7 +216,8 @@ class Ops:
         SwiGLU and residual inside; everything else is XLA's dot, with the norm, SwiGLU and residual as XLA ops."""
         if (norm is None) != (eps is None):
             raise ValueError(f"norm={norm!r} and eps={eps!r}: an input norm needs both its weight's name and eps")
-        if (name in self.gemv and group_sizes is None and out_dtype is None and x.ndim == 2
+        scale = lp.get(name + quant.SCALE)   # an FP8 weight's per-channel scales
+        if (name in self.gemv and scale is None and group_sizes is None and out_dtype is None and x.ndim == 2
                 and self.use_gemv(x.shape[0])):
             y = kernels.gemv_linear(x, lp, name, norm=norm, eps=eps, residual=residual)
             if y is not None:   # None: no kernel tiling divides this weight
@@ -212,13 +231,23 @@ class Ops:
         else:
             pairs = w.ndim == 3
             w = w.reshape(-1, w.shape[-1])      # pairs [F, 2, K]: gate and up rows interleaved, [2F, K]
-            y = x @ w.T if out_dtype is None else jnp.einsum("...k,nk->...n", x, w, preferred_element_type=out_dtype)
+            if scale is not None:
+                y = quant.fp8_matmul(x, w, scale.reshape(-1), w8a8=self.uses_w8a8(x), out_dtype=out_dtype)
+            elif out_dtype is None:
+                y = x @ w.T
+            else:
+                y = jnp.einsum("...k,nk->...n", x, w, preferred_element_type=out_dtype)
         if pairs:
             y = y.reshape(*y.shape[:-1], -1, 2)
             y = jax.nn.silu(y[..., 0]) * y[..., 1]
         return y if residual is None else residual + y
 
+    def uses_w8a8(self, x) -> bool:
+        """Whether an FP8 weight's matmul with x [..., K] quantizes x too (by the step's token count)."""
+        return self.w8a8_from_tokens is not None and math.prod(x.shape[:-1]) >= self.w8a8_from_tokens
+
     def __post_init__(self):
+        quant.check_scheme(self.quantization)
         if self.attention not in ("pallas", "reference", "dense"):
             raise ValueError(f"attention={self.attention!r} is unknown; choose 'pallas' or 'reference'")
         if self.delta_rule not in ("pallas", "reference"):
@@ -226,7 +255,7 @@ class Ops:
 
     @staticmethod
     def for_backend(block_size: int, attention: str = "auto", unroll: bool | None = None, tp=None,
-                    delta_rule: str = "auto") -> "Ops":
+                    delta_rule: str = "auto", quantization: str | None = None) -> "Ops":
         """The measured choices for this device (docs/lab/2026-11-22-first-round-step.md): on a GPU the Pallas kernel and unrolled
         layers, on a CPU the reference attention and scanned layers (fast compiles)."""
         gpu = jax.default_backend() == "gpu"
@@ -242,7 +271,8 @@ class Ops:
         return Ops(attention=attention, block_size=block_size, unroll=gpu if unroll is None else unroll, tp=tp,
                    cublas_from_tokens=CUBLAS_FROM_TOKENS if gpu else None, autotune_cache_dir=autotune_cache,
                    delta_rule=delta_rule, gemv=gemv_matmuls(os.environ.get("JAXSPEC_GEMV", "down" if gpu else "")),
-                   fused_attention=os.environ.get("JAXSPEC_FUSED_ATTENTION", "1") != "0")
+                   fused_attention=os.environ.get("JAXSPEC_FUSED_ATTENTION", "1") != "0",
+                   quantization=quantization, w8a8_from_tokens=w8a8_from_tokens(quantization))
 
     def compiler_options(self, num_tokens: int, tier: str = "tuned") -> dict:
         """XLA options for the compile of a step of `num_tokens` tokens. "tuned": measured on an H100 (Qwen2.5-1.5B,

@@ -22,6 +22,10 @@ LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 # True means "full" and False "none".
 WARMUP_MODES = ("auto", "tiered", "full", "fast", "none")
 
+# Weight quantization on load (jaxspec.nn.quant): "fp8" stores the layers' projections as float8 e4m3 with
+# per-output-channel scales, the target's and a draft model's.
+QUANTIZATION_SCHEMES = ("fp8",)
+
 
 @dataclasses.dataclass
 class EngineConfig:
@@ -43,6 +47,7 @@ class EngineConfig:
     structured_compile_timeout: float = 30.0   # seconds one request's structured-outputs constraint may compile
     structured_compile_memory: float = 2.0     # GiB of memory one constraint's compile (its process) may use
     logprobs_mode: str = "raw_logprobs"   # what `logprobs` returns: "raw_logprobs" or "processed_logprobs" (vLLM's)
+    quantization: str | None = None   # None (the checkpoint's dtype) or one of QUANTIZATION_SCHEMES
 
     def validate(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size"):
@@ -67,6 +72,9 @@ class EngineConfig:
             raise ValueError(f"attention={self.attention!r} is invalid; choose 'auto', 'pallas' or 'reference'")
         if self.delta_rule not in ("auto", "pallas", "reference"):
             raise ValueError(f"delta_rule={self.delta_rule!r} is invalid; choose 'auto', 'pallas' or 'reference'")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_SCHEMES:
+            raise ValueError(f"quantization={self.quantization!r} is not supported; choose None or "
+                             f"{', '.join(map(repr, QUANTIZATION_SCHEMES))}")
         if self.logprobs_mode not in LOGPROBS_MODES:
             logits_mode = self.logprobs_mode in ("raw_logits", "processed_logits")
             raise ValueError(f"logprobs_mode={self.logprobs_mode!r} is invalid"

@@ -69,6 +69,9 @@ class Engine:
         max_model_len = config.resolve_max_model_len(mc)
         spec = self.speculative_config = SpeculativeConfig.coerce(speculative_config)
         drafter, drafter_params = build_drafter(spec, model) if spec is not None else (None, None)
+        if config.quantization is not None:
+            model, drafter, drafter_params = self._quantize(config.quantization, model, drafter, drafter_params)
+            self.model = model
         draft_configs = [drafter.config] if drafter is not None and hasattr(drafter, "config") else []
         tp = TensorParallel.create(config.tensor_parallel_size, [mc, *draft_configs])
         num_blocks = config.num_blocks(mc, -(-max_model_len // config.block_size), model.params["embed"].dtype, tp)
@@ -76,7 +79,8 @@ class Engine:
         self.step_config = StepConfig(block_size=config.block_size, num_blocks=num_blocks,
                                       num_slots=config.max_num_seqs, max_model_len=max_model_len,
                                       num_speculative_tokens=K, logprobs_mode=config.logprobs_mode)
-        ops = Ops.for_backend(config.block_size, config.attention, config.unroll_layers, tp, config.delta_rule)
+        ops = Ops.for_backend(config.block_size, config.attention, config.unroll_layers, tp, config.delta_rule,
+                              config.quantization)
         self.runner = ModelRunner(model, self.step_config, ops, drafter, drafter_params,
                                   max_rows=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens)
         recurrent = sorted(k for k, f in self.runner.target.per_slot_fields(self.step_config.cache_shape).items() if f)
@@ -121,6 +125,36 @@ class Engine:
             t0 = time.perf_counter()
             self.warmup()
             self.startup["compile_blocking_s"] = time.perf_counter() - t0
+
+    @staticmethod
+    def _quantize(scheme: str, model, drafter, drafter_params):
+        """The target's projections quantized (a model passed in already quantized is taken as it is), and a draft
+        model's; EAGLE, EAGLE-3 and MTP heads stay in the model's dtype (stats()["quantization"] says which)."""
+        from jaxspec.nn import quant
+        if model.quantization is None:
+            model = dataclasses.replace(model, params=quant.quantize_params(model.params), quantization=scheme)
+        elif model.quantization != scheme:
+            raise ValueError(f"quantization={scheme!r}, but the model passed in is quantized as {model.quantization!r}")
+        if drafter is not None and drafter.method == "draft_model":
+            drafter.quantization = scheme
+            drafter_params = quant.quantize_params(drafter_params)
+        return model, drafter, drafter_params
+
+    def quantization_report(self) -> dict | None:
+        """Which weights are quantized, how, and how each step multiplies them (None: not quantized)."""
+        if self.config.quantization is None:
+            return None
+        from jaxspec.nn import quant
+        ops, runner = self.runner.ops, self.runner
+        return {"scheme": self.config.quantization, "weights": "float8_e4m3fn, one float32 scale per output channel",
+                "activations": ("W8A16 (weights converted inside the matmul)" if ops.w8a8_from_tokens is None else
+                                f"W8A16 below {ops.w8a8_from_tokens} tokens a step, W8A8 (per-token e4m3) from there"),
+                "target": quant.quantized_names(runner.params),
+                "drafter": quant.quantized_names(runner.drafter_params) if isinstance(runner.drafter_params, dict)
+                else [],
+                "kept": "embeddings, norms, biases, lm_head, routers, MoE experts"
+                        + ("" if runner.drafter is None or runner.drafter.method == "draft_model"
+                           else f", the {runner.drafter.method} head")}
 
     @property
     def requests(self) -> dict[str, Request]:
@@ -469,4 +503,5 @@ class Engine:
         return self.counts.report(runner=self.runner, scheduler=self.scheduler, blocks=self.blocks,
                                   grammar_tables=self.grammar_tables, grammar_compiler=self.intake.grammar_compiler,
                                   prefix_cache_disabled_reason=self.prefix_cache_disabled_reason,
-                                  async_scheduling=self.config.async_scheduling)
+                                  async_scheduling=self.config.async_scheduling) | {
+                                      "quantization": self.quantization_report()}

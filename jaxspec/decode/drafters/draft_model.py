@@ -29,7 +29,7 @@ from jaxspec.decode.drafters.common import (
     check_same_vocab, draft_logprobs_spec, draft_loop, grammar_next, grammar_start, kv_slots_for, one_token_batch,
     pick_drafts)
 from jaxspec.nn.decoder import Decoder
-from jaxspec.nn.ops import ForwardBatch
+from jaxspec.nn.ops import ForwardBatch, Ops
 
 
 class DraftModelDrafter:
@@ -41,9 +41,10 @@ class DraftModelDrafter:
     def __init__(self, draft_config, draft_sampling: str):
         self.config = draft_config
         self.draft_sampling = draft_sampling
+        self.quantization = None   # "fp8": its params are quantized (the engine's quantization)
 
     def param_schema(self) -> dict:
-        return Decoder(self.config).param_schema()
+        return Decoder(self.config, Ops(quantization=self.quantization)).param_schema()
 
     def state_schema(self, step_config):
         schema = {"layers": Decoder(self.config).state_schema(step_config.cache_shape)}
