@@ -96,6 +96,9 @@ def add_engine_args(p: argparse.ArgumentParser):
                    help="when the step programs compile: tiered (the GPU's auto: serve after the smallest bucket's "
                         "programs, compile the rest and the autotuned ones in the background), full (everything "
                         "autotuned first), fast (everything first, nothing autotuned), none (each on first use)")
+    p.add_argument("--quantization", "-q", default=None, choices=["fp8"],
+                   help="weights quantized on load: fp8 (float8 e4m3 with per-output-channel scales: the layers' "
+                        "projections of the target and of a draft model)")
     p.add_argument("--logprobs-mode", default="raw_logprobs", choices=["raw_logprobs", "processed_logprobs"],
                    help="what logprobs return: the model's log-softmax (raw) or the distribution sampled from "
                         "(processed: after penalties, temperature, top-k/top-p/min-p)")
@@ -110,7 +113,7 @@ def engine_kwargs(args) -> dict:
                 tensor_parallel_size=args.tensor_parallel_size,
                 structured_compile_timeout=args.structured_compile_timeout,
                 structured_compile_memory=args.structured_compile_memory, logprobs_mode=args.logprobs_mode,
-                warmup=args.warmup)
+                warmup=args.warmup, quantization=args.quantization)
 
 
 def check_engine_args(p: argparse.ArgumentParser, args):

@@ -64,17 +64,20 @@ def main():
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--warmup", default="none", help="LLM's warmup: none (each program tuned when first used), fast "
                                                     "(every program without autotuning: the fast tier's TPOT)")
+    p.add_argument("--model", default="qwen2.5-coder-1.5b-instruct", help="a preset's shapes, random bf16 weights")
+    p.add_argument("--draft-model", default="qwen2.5-coder-0.5b-instruct")
+    p.add_argument("--quantization", default=None, choices=["fp8"], help="LLM's quantization")
     p.add_argument("--json")
     a = p.parse_args()
-    target = random_model("qwen2.5-coder-1.5b-instruct", dtype="bfloat16")
+    target = random_model(a.model, dtype="bfloat16")
     common = dict(max_num_seqs=max(a.batches), max_model_len=a.input_len + a.output_len + 64,
-                  max_num_batched_tokens=256, warmup=a.warmup)
+                  max_num_batched_tokens=256, warmup=a.warmup, quantization=a.quantization)
     rows = []
     llm = LLM(target, **common)
     rows += [measure(llm, b, 0, a.input_len, a.output_len, b) for b in a.batches]
     del llm
     if a.draft_batches:
-        draft = random_model("qwen2.5-coder-0.5b-instruct", dtype="bfloat16", seed=1)
+        draft = random_model(a.draft_model, dtype="bfloat16", seed=1)
         spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": 4}
         llm = LLM(target, **common, speculative_config=spec)
         rows += [measure(llm, b, 4, a.input_len, a.output_len, b) for b in a.draft_batches]

@@ -79,6 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", default="auto", choices=["auto", "tiered", "full", "fast", "none"],
                    help="when the step programs compile (LLM's warmup); the measurement starts once all are compiled")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="devices to split the model over")
+    p.add_argument("--quantization", "-q", default=None, choices=["fp8"],
+                   help="weights quantized on load: fp8 (e4m3, per-channel scales; the target and a draft model)")
     p.add_argument("--request-rate", type=positive_float(allow_inf=True), default=float("inf"),
                    help="requests (conversations) per second, Poisson arrivals; inf: all at once")
     p.add_argument("--base-url", help="benchmark a running `jaxspec serve` (or any OpenAI-compatible server)")
@@ -150,7 +152,7 @@ def model_from_args(args):
 
 # What --base-url leaves to the server (its own engine and speculation) or cannot do (no engine in this process).
 IN_PROCESS_ONLY = ("compare", "steady_state", "baseline", "profile", "save_workload", "spec_method", "draft_model",
-                   "num_spec_tokens", "adaptive_spec", "speculative_config")
+                   "num_spec_tokens", "adaptive_spec", "speculative_config", "quantization")
 
 
 def check_args(p: argparse.ArgumentParser, args):
@@ -313,7 +315,7 @@ def run(argv=None) -> list[dict]:
                   max_num_batched_tokens=args.max_num_batched_tokens, async_scheduling=async_mode,
                   speculative_config=sp, seed=args.seed, attention=args.attention, delta_rule=args.delta_rule,
                   enable_prefix_caching=args.enable_prefix_caching, tensor_parallel_size=args.tensor_parallel_size,
-                  structured_compile_timeout=3600.0, warmup=args.warmup)
+                  structured_compile_timeout=3600.0, warmup=args.warmup, quantization=args.quantization)
         llm.engine.wait_compiled()   # steady speed: every program at its best tier before the clock starts
         if not args.enable_prefix_caching:
             label += "+no-prefix-cache"
@@ -330,6 +332,9 @@ def run(argv=None) -> list[dict]:
         else:
             res = run_config(llm, workload, args, label)
         res["prefix_cache"] = llm.stats()["prefix_cache"]
+        res["quantization"] = llm.stats()["quantization"]
+        if args.quantization:
+            res["label"] += "+" + args.quantization
         if args.profile and i == 0:
             jax.profiler.stop_trace()
         if args.steady_state:

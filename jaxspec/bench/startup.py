@@ -89,7 +89,8 @@ def config_of(args) -> dict:
     return {"model": args.model, "random_weights": args.random_weights, "dtype": args.dtype, "speculative": spec,
             "tensor_parallel_size": args.tensor_parallel_size, "max_model_len": args.max_model_len,
             "max_num_batched_tokens": args.max_num_batched_tokens, "max_num_seqs": args.max_concurrency,
-            "warmup": args.warmup, "input_len": args.input_len, "temperature": args.temperature}
+            "warmup": args.warmup, "input_len": args.input_len, "temperature": args.temperature,
+            "quantization": args.quantization}
 
 
 def prompt_ids(args, vocab_size: int) -> list[int]:
@@ -234,7 +235,7 @@ def child(kind: str, argv: list[str]):
               max_num_batched_tokens=args.max_num_batched_tokens, async_scheduling=args.async_scheduling,
               speculative_config=spec, seed=args.seed, attention=args.attention, delta_rule=args.delta_rule,
               enable_prefix_caching=args.enable_prefix_caching, tensor_parallel_size=args.tensor_parallel_size,
-              **kwargs)
+              quantization=args.quantization, **kwargs)
     mark("engine")
     prompt = prompt_ids(args, model.config.vocab_size)
     out = llm.generate([prompt], SamplingParams(temperature=args.temperature, seed=args.seed, max_tokens=1,

@@ -55,7 +55,8 @@ def build_request(args, prompts: list[list[int]], output_lens: list[int], model_
             "seed": args.seed, "ignore_eos": args.ignore_eos and structured is None,
             "random_weights": args.random_weights, "dtype": "bfloat16" if args.dtype == "auto" else args.dtype,
             "speculative_config": spec, "gpu_memory_utilization": args.vllm_memory_fraction,
-            "structured_outputs": structured, "tokenizer": tokenizer}
+            "structured_outputs": structured, "tokenizer": tokenizer,
+            "quantization": getattr(args, "quantization", None)}
 
 
 def run_vllm_baseline(request: dict, python: str = sys.executable, timeout: float | None = None) -> dict:
@@ -263,6 +264,8 @@ def engine_kwargs(r: dict, has_flashinfer: bool | None = None) -> dict:
         kwargs["structured_outputs_config"] = {"backend": "xgrammar", "disable_any_whitespace": True}
     if r["random_weights"]:
         kwargs["load_format"] = "dummy"
+    if r.get("quantization"):   # vLLM quantizes the checkpoint on load (its online FP8)
+        kwargs["quantization"] = r["quantization"]
     config = _read_config(r["model"])
     if _has_vision_config(config):
         # a vision-language checkpoint (Qwen3.5) serving token ids: no vision tower, no image-processor profiling
