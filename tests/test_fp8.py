@@ -187,3 +187,26 @@ def test_fp8_agrees_with_the_full_precision_model_at_the_measured_rate(smollm2_m
     attention = params["layers"]["attention"]
     attention["o_proj_scale"] = attention["o_proj_scale"].at[15].multiply(2.0)
     assert (np.asarray(score(params, ids)).argmax(-1) == reference).mean() < rate   # measured: 0.898 / 0.878
+
+
+@pytest.mark.parametrize("mode", ["plain", "norm_residual", "pairs"])
+def test_fp8_gemv_kernel_equals_the_xla_fp8_matmul(mode):
+    """The decode-sized kernel (jaxspec.pallas.gemv, interpreted) over e4m3 weights and their scales, reading one
+    layer of the stack in place, equals Ops.linear's XLA path over the same bytes and scales."""
+    from jaxspec.nn.kernels import LayerWeights, gemv_linear
+    rng = np.random.default_rng(4)
+    L, N, K, T = 3, 32, 256, 5
+    pairs = mode == "pairs"
+    w = rng.standard_normal((L, N, 2, K) if pairs else (L, N, K)).astype(np.float32) / 16
+    q, scale = (np.asarray(a) for a in quant.quantize_fp8(w))
+    x = rng.standard_normal((T, K)).astype(np.float32)
+    stacks = {"w": q, "w_scale": scale, "g": (1 + 0.3 * rng.standard_normal((L, K))).astype(np.float32)}
+    kw = dict(norm="g", eps=1e-6, residual=rng.standard_normal((T, N)).astype(np.float32)) if mode != "plain" else {}
+    lp = LayerWeights(stacks, 1)
+    assert gemv_linear(x, lp, "w", **kw) is not None   # a tiling fits: the kernel runs
+    got = np.asarray(Ops(gemv=frozenset({"w"})).linear(x, lp, "w", **kw))
+    want = np.asarray(Ops().linear(x, dict(lp), "w", **kw))
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+    wrong = np.asarray(Ops(gemv=frozenset({"w"})).linear(x, LayerWeights({**stacks, "w_scale": scale * 1.01}, 1),
+                                                          "w", **kw))
+    assert np.abs(wrong - want).max() > 1e-3

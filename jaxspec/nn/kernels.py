@@ -47,13 +47,14 @@ def gemv_linear(x, lp, name: str, *, norm: str | None = None, eps: float | None 
     if norm is not None:
         g, g_layer = stacked(lp, norm)
         assert g_layer == layer
+    scale = stacked(lp, name + "_scale")[0] if name + "_scale" in lp else None   # FP8 weights' scales
     tiling = tiling_for(w.shape[1], x.shape[1], norm=norm is not None, pairs=w.ndim == 4)
     if tiling is None:
         return None
     if tiling.splits > 1:   # (norm and pairs tilings are never split)
-        y = gemv(x, w, layer, tiling=tiling).sum(0)
+        y = gemv(x, w, layer, scale=scale, tiling=tiling).sum(0)
         return (y if residual is None else residual.astype(jnp.float32) + y).astype(x.dtype)
-    return gemv(x, w, layer, g, residual, tiling=tiling, eps=eps)
+    return gemv(x, w, layer, g, residual, scale, tiling=tiling, eps=eps)
 
 
 # ---- attention -------------------------------------------------------------------------------------------------

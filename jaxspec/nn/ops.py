@@ -217,7 +217,7 @@ class Ops:
         if (norm is None) != (eps is None):
             raise ValueError(f"norm={norm!r} and eps={eps!r}: an input norm needs both its weight's name and eps")
         scale = lp.get(name + quant.SCALE)   # an FP8 weight's per-channel scales
-        if (name in self.gemv and scale is None and group_sizes is None and out_dtype is None and x.ndim == 2
+        if (name in self.gemv and group_sizes is None and out_dtype is None and x.ndim == 2
                 and self.use_gemv(x.shape[0])):
             y = kernels.gemv_linear(x, lp, name, norm=norm, eps=eps, residual=residual)
             if y is not None:   # None: no kernel tiling divides this weight

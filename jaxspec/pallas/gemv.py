@@ -47,10 +47,15 @@ def _rows_tile(T: int) -> int:
     return 16 if T <= 16 else 32
 
 
-def _kernel(*refs, T: int, K: int, tiling: Tiling, rows: int, eps: float | None, pairs: bool, residual: bool):
+def _kernel(*refs, T: int, K: int, tiling: Tiling, rows: int, eps: float | None, pairs: bool, residual: bool,
+            scaled: bool):
     layer_ref, x_ref, w_ref, *refs = refs
     norm_ref = refs.pop(0) if eps is not None else None
     res_ref = refs.pop(0) if residual else None
+    scale_ref = refs.pop(0) if scaled else None
+    # FP8 weights are converted to x's dtype tile by tile (the product's per-column scale applies after the sum)
+    compute = x_ref.dtype if scaled else w_ref.dtype
+    load_w = (lambda ref: ref.astype(compute)) if scaled else (lambda ref: ref)
     (o_ref,) = refs
     bn, bk, S = tiling.block_n, tiling.block_k, tiling.splits
     n, s = pl.program_id(0), pl.program_id(1)
@@ -61,7 +66,7 @@ def _kernel(*refs, T: int, K: int, tiling: Tiling, rows: int, eps: float | None,
     dims = (((1,), (1,)), ((), ()))
     # float32 weights get float32 products (Triton's default for them is TF32); bf16 is exact in either.
     dot = functools.partial(jax.lax.dot_general, dimension_numbers=dims, preferred_element_type=jnp.float32,
-                            precision=jax.lax.Precision.HIGHEST if w_ref.dtype == jnp.float32 else None)
+                            precision=jax.lax.Precision.HIGHEST if compute == jnp.float32 else None)
 
     def step(j, carry):
         *accs, ss = carry
@@ -70,18 +75,21 @@ def _kernel(*refs, T: int, K: int, tiling: Tiling, rows: int, eps: float | None,
         if eps is not None:   # rms_norm(x) @ W.T = rstd * ((x * g) @ W.T): the row's scale applies after the sum
             x32 = x.astype(jnp.float32)
             ss = ss + jnp.sum(x32 * x32, axis=1)
-            x = (x32 * norm_ref[layer, pl.ds(k, bk)].astype(jnp.float32)[None, :]).astype(w_ref.dtype)
+            x = (x32 * norm_ref[layer, pl.ds(k, bk)].astype(jnp.float32)[None, :]).astype(compute)
         if pairs:
-            gate = w_ref[layer, pl.ds(n0, bn), 0, pl.ds(k, bk)]
-            up = w_ref[layer, pl.ds(n0, bn), 1, pl.ds(k, bk)]
+            gate = load_w(w_ref[layer, pl.ds(n0, bn), 0, pl.ds(k, bk)])
+            up = load_w(w_ref[layer, pl.ds(n0, bn), 1, pl.ds(k, bk)])
             return accs[0] + dot(x, gate), accs[1] + dot(x, up), ss
-        w = w_ref[layer, pl.ds(n0, bn), pl.ds(k, bk)]
+        w = load_w(w_ref[layer, pl.ds(n0, bn), pl.ds(k, bk)])
         return accs[0] + dot(x, w), ss
 
     zeros = jnp.zeros((rows, bn), jnp.float32)
     *accs, ss = jax.lax.fori_loop(0, K // S // bk, step,
                                   (zeros, zeros, jnp.zeros((rows,), jnp.float32)) if pairs else
                                   (zeros, jnp.zeros((rows,), jnp.float32)))
+    if scaled:
+        accs = ([accs[0] * scale_ref[layer, pl.ds(n0, bn), 0][None, :], accs[1] * scale_ref[layer, pl.ds(n0, bn), 1][None, :]]
+                if pairs else [accs[0] * scale_ref[layer, pl.ds(n0, bn)][None, :]])
     if eps is not None:
         rstd = jax.lax.rsqrt(ss / K + eps)[:, None]
         accs = [a * rstd for a in accs]
@@ -96,10 +104,12 @@ def _kernel(*refs, T: int, K: int, tiling: Tiling, rows: int, eps: float | None,
 
 
 @functools.partial(jax.jit, static_argnames=("tiling", "eps", "interpret"))
-def gemv(x, w, layer, norm=None, residual=None, *, tiling: Tiling = Tiling(), eps: float | None = None,
+def gemv(x, w, layer, norm=None, residual=None, scale=None, *, tiling: Tiling = Tiling(), eps: float | None = None,
          interpret: bool | None = None):
     """x [T, K] (T <= MAX_ROWS); w [L, N, K] or, for gate/up pairs, [L, F, 2, K]; layer: i32 scalar.
-    norm [L, K] with eps: rms_norm x first. residual [T, N]: added to the output (one split only).
+    norm [L, K] with eps: rms_norm x first. residual [T, N]: added to the output (one split only). scale f32[L, N]
+    (pairs [L, F, 2]): w holds FP8 values (jaxspec.nn.quant), converted to x's dtype in the kernel, and each
+    output column's sum is multiplied by its scale.
     -> [T, N] (pairs: silu(gate) * up [T, F]) in x's dtype, or with tiling.splits = S > 1 the f32 partial sums
     [S, T, N] (their sum is the product; residual not allowed)."""
     if interpret is None:
@@ -132,11 +142,13 @@ def gemv(x, w, layer, norm=None, residual=None, *, tiling: Tiling = Tiling(), ep
         args.append(norm)
     if residual is not None:
         args.append(pad(residual))
+    if scale is not None:
+        args.append(scale.astype(jnp.float32))
     out_shape = (jax.ShapeDtypeStruct((S, Tp, N), jnp.float32) if S > 1 else
                  jax.ShapeDtypeStruct((Tp, N), x.dtype))
     whole = lambda a: pl.BlockSpec(a.shape, lambda n, s: (0,) * len(a.shape))  # noqa: E731
     kernel = functools.partial(_kernel, T=T, K=K, tiling=tiling, rows=rows, eps=eps, pairs=pairs,
-                               residual=residual is not None)
+                               residual=residual is not None, scaled=scale is not None)
     params = {} if interpret else dict(compiler_params=plgpu.CompilerParams(
         num_warps=tiling.num_warps, num_stages=tiling.num_stages))
     out = pl.pallas_call(kernel, grid=(N // bn, S), in_specs=[whole(a) for a in args],
