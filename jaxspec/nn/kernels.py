@@ -48,7 +48,7 @@ def gemv_linear(x, lp, name: str, *, norm: str | None = None, eps: float | None 
         g, g_layer = stacked(lp, norm)
         assert g_layer == layer
     scale = stacked(lp, name + "_scale")[0] if name + "_scale" in lp else None   # FP8 weights' scales
-    tiling = tiling_for(w.shape[1], x.shape[1], norm=norm is not None, pairs=w.ndim == 4)
+    tiling = tiling_for(w.shape[1], x.shape[1], norm=norm is not None, pairs=w.ndim == 4, fp8=scale is not None)
     if tiling is None:
         return None
     if tiling.splits > 1:   # (norm and pairs tilings are never split)

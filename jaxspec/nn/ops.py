@@ -113,8 +113,10 @@ def dense_causal_attention(q, k_pool, v_pool, layer, batch: ForwardBatch, block_
     return _attend(q.reshape(T, k.shape[1], -1, hd), k, v, mask, 1.0 / math.sqrt(hd))
 
 
-# Steps of at most this many tokens run the matmuls named in `Ops.gemv` as GEMV kernels (measured at 8 and 16).
+# Steps of at most this many tokens run the matmuls named in `Ops.gemv` as GEMV kernels (measured at 8 and 16);
+# with FP8 weights up to 32, where the kernel still beats XLA's FP8 matmuls (docs/lab/2026-11-27-fp8.md).
 GEMV_MAX_TOKENS = 16
+GEMV_MAX_TOKENS_FP8 = 32
 # What JAXSPEC_GEMV may name: a dense layer's matmuls by short name.
 GEMV_MATMULS = {"qkv": "qkv_proj", "o": "o_proj", "gate_up": "gate_up_proj", "down": "down_proj"}
 # Steps of at least this many tokens compile their matmuls to cuBLAS on a GPU (Ops.compiler_options).
@@ -134,12 +136,14 @@ def gemv_matmuls(spec: str) -> frozenset:
     return frozenset(GEMV_MATMULS[n] for n in names)
 
 
-def w8a8_from_tokens(quantization: str | None) -> int | None:
-    """FP8 weights: the smallest step (tokens) whose matmuls quantize activations too. JAXSPEC_FP8_W8A8_FROM: a
-    token count, or "never" (W8A16 at every size, the default until measured)."""
+def w8a8_from_tokens(quantization: str | None, gpu: bool) -> int | None:
+    """FP8 weights: the smallest step (tokens) whose XLA matmuls quantize activations too. JAXSPEC_FP8_W8A8_FROM: a
+    token count, or "never" (W8A16 at every size). Measured on an H100 (docs/lab/2026-11-27-fp8.md): XLA's W8A16
+    reads the weight at 220-450 GB/s, its W8A8 (cuBLASLt's FP8 GEMM) at 350-610 GB/s, at 8 to 256 tokens: W8A8 at
+    every size on a GPU (decode-sized steps run the gemv kernel instead, Ops.gemv). A CPU runs W8A16 faster."""
     if quantization is None:
         return None
-    value = os.environ.get("JAXSPEC_FP8_W8A8_FROM", "never")
+    value = os.environ.get("JAXSPEC_FP8_W8A8_FROM", "1" if gpu else "never")
     if value == "never":
         return None
     if not value.isdigit():
@@ -198,7 +202,8 @@ class Ops:
     w8a8_from_tokens: int | None = None
 
     def use_gemv(self, num_tokens: int) -> bool:
-        return bool(self.gemv) and self.tp is None and num_tokens <= GEMV_MAX_TOKENS
+        limit = GEMV_MAX_TOKENS_FP8 if self.quantization is not None else GEMV_MAX_TOKENS
+        return bool(self.gemv) and self.tp is None and num_tokens <= limit
 
     def linear(self, x, lp, name: str, *, norm: str | None = None, eps: float | None = None, residual=None,
                group_sizes=None, out_dtype=None):
@@ -270,9 +275,10 @@ class Ops:
             use_compile_cache(cache_dir() / "jax-compile")
         return Ops(attention=attention, block_size=block_size, unroll=gpu if unroll is None else unroll, tp=tp,
                    cublas_from_tokens=CUBLAS_FROM_TOKENS if gpu else None, autotune_cache_dir=autotune_cache,
-                   delta_rule=delta_rule, gemv=gemv_matmuls(os.environ.get("JAXSPEC_GEMV", "down" if gpu else "")),
+                   delta_rule=delta_rule, gemv=gemv_matmuls(os.environ.get(
+                       "JAXSPEC_GEMV", ("all" if quantization else "down") if gpu else "")),
                    fused_attention=os.environ.get("JAXSPEC_FUSED_ATTENTION", "1") != "0",
-                   quantization=quantization, w8a8_from_tokens=w8a8_from_tokens(quantization))
+                   quantization=quantization, w8a8_from_tokens=w8a8_from_tokens(quantization, gpu))
 
     def compiler_options(self, num_tokens: int, tier: str = "tuned") -> dict:
         """XLA options for the compile of a step of `num_tokens` tokens. "tuned": measured on an H100 (Qwen2.5-1.5B,

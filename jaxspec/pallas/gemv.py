@@ -165,17 +165,20 @@ def _largest_dividing(n: int, options) -> int | None:
     return next((o for o in options if n % o == 0), None)
 
 
-def tiling_for(N: int, K: int, *, norm: bool, pairs: bool) -> Tiling | None:
+def tiling_for(N: int, K: int, *, norm: bool, pairs: bool, fp8: bool = False) -> Tiling | None:
     """The tiling measured fastest on an H100 for each kind of layer matmul (Qwen2.5-Coder-1.5B shapes at 8 and
     16 tokens, benchmarks/kernels/bench_gemv.py's sweep; docs/lab/2026-11-24-gemv-kernels.md), adapted to shapes
-    it divides; None where no block divides the shape (the caller uses XLA's GEMM)."""
+    it divides; None where no block divides the shape (the caller uses XLA's GEMM). FP8 weights (one byte each)
+    take K steps twice as long, 4 warps and 3 stages (benchmarks/profiles/fp8_matmul.py --sweep, 8 and 32 tokens,
+    docs/lab/2026-11-27-fp8.md)."""
     if pairs:      # gate/up with the norm and SwiGLU: 280 programs of 32 pairs
-        bn, bk, S, warps, stages = 32, _largest_dividing(K, (128, 64, 32, 16)), 1, 2, 3
+        bn, bk, S, warps, stages = 32, _largest_dividing(K, (256, 128, 64, 32, 16) if fp8 else (128, 64, 32, 16)), 1, \
+            (4 if fp8 else 2), 3
     elif norm:     # q/k/v with the norm: 128 programs of 16 rows, long K steps
         bn, bk, S, warps, stages = 16, _largest_dividing(K, (512, 256, 128, 64, 32, 16)), 1, 4, 3
     else:          # o and down: K split so that each program walks ~1-2k of it
-        bn, warps, stages = 32, (2 if K >= 4096 else 4), 5
-        bk = _largest_dividing(K, (128, 64, 32, 16))
+        bn, warps, stages = 32, (4 if fp8 else 2 if K >= 4096 else 4), (3 if fp8 else 5)
+        bk = _largest_dividing(K, (256, 128, 64, 32, 16) if fp8 else (128, 64, 32, 16))
         S = next((s for s in (5, 7, 4, 3, 2, 1) if K % (s * bk) == 0 and K // s >= 512), 1) if bk else 1
     if bk is None or N % bn:
         bn = 16
