@@ -64,6 +64,20 @@ def test_fp8_linear_equals_the_dequantized_reference(w8a8, pairs):
     assert np.abs(wrong - ref).max() > 100 * 2e-6
 
 
+def test_serve_and_bench_pass_quantization_through():
+    import argparse
+
+    from jaxspec.bench.cli import build_parser
+    from jaxspec.cli import add_engine_args, engine_kwargs
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert engine_kwargs(parser.parse_args([]))["quantization"] is None
+    assert engine_kwargs(parser.parse_args(["--quantization", "fp8"]))["quantization"] == "fp8"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--quantization", "int4"])
+    assert build_parser().parse_args(["-q", "fp8"]).quantization == "fp8"
+
+
 def test_unsupported_quantization_is_refused_by_name(target):  # noqa: F811
     with pytest.raises(ValueError, match="quantization='int4' is not supported; choose None or 'fp8'"):
         LLM(target, **ENGINE, quantization="int4")
