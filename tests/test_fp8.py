@@ -207,7 +207,7 @@ def test_fp8_agrees_with_the_full_precision_model_at_the_measured_rate(smollm2_m
 def test_fp8_gemv_kernel_equals_the_xla_fp8_matmul(mode):
     """The decode-sized kernel (jaxspec.pallas.gemv, interpreted) over e4m3 weights and their scales, reading one
     layer of the stack in place, equals Ops.linear's XLA path over the same bytes and scales."""
-    from jaxspec.nn.kernels import LayerWeights, gemv_linear
+    from jaxspec.nn.kernels import LayerWeights, gemv_linear, gemv_matmul
     rng = np.random.default_rng(4)
     L, N, K, T = 3, 32, 256, 5
     pairs = mode == "pairs"
@@ -217,10 +217,11 @@ def test_fp8_gemv_kernel_equals_the_xla_fp8_matmul(mode):
     stacks = {"w": q, "w_scale": scale, "g": (1 + 0.3 * rng.standard_normal((L, K))).astype(np.float32)}
     kw = dict(norm="g", eps=1e-6, residual=rng.standard_normal((T, N)).astype(np.float32)) if mode != "plain" else {}
     lp = LayerWeights(stacks, 1)
-    assert gemv_linear(x, lp, "w", **kw) is not None   # a tiling fits: the kernel runs
-    got = np.asarray(Ops(gemv=frozenset({"w"})).linear(x, lp, "w", **kw))
+    assert gemv_linear(x, lp, "w", **kw) is not None and gemv_matmul(x, lp, "w") is not None   # tilings fit
     want = np.asarray(Ops().linear(x, dict(lp), "w", **kw))
-    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+    for fp8_gemv in ("fused", "plain"):   # the norm, SwiGLU and residual in the kernel, or around it
+        got = np.asarray(Ops(gemv=frozenset({"w"}), quantization="fp8", fp8_gemv=fp8_gemv).linear(x, lp, "w", **kw))
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
     wrong = np.asarray(Ops(gemv=frozenset({"w"})).linear(x, LayerWeights({**stacks, "w_scale": scale * 1.01}, 1),
                                                           "w", **kw))
     assert np.abs(wrong - want).max() > 1e-3

@@ -57,6 +57,22 @@ def gemv_linear(x, lp, name: str, *, norm: str | None = None, eps: float | None 
     return gemv(x, w, layer, g, residual, scale, tiling=tiling, eps=eps)
 
 
+def gemv_matmul(x, lp, name: str):
+    """x [T, K] @ lp[name].T over the gemv kernel with nothing around it (a gate/up pair weight [F, 2, K] read as
+    its [2F, K] rows): f32 [T, N] (pairs [T, 2F], interleaved), or None where no tiling divides the weight. FP8
+    weights' unfused path (Ops.fp8_gemv), whose plain tilings were swept for e4m3."""
+    w, layer = stacked(lp, name)
+    scale = stacked(lp, name + "_scale")[0] if name + "_scale" in lp else None
+    if w.ndim == 4:   # [L, F, 2, K] -> [L, 2F, K]: a bitcast, the stack still read in place
+        w = w.reshape(w.shape[0], -1, w.shape[-1])
+        scale = None if scale is None else scale.reshape(scale.shape[0], -1)
+    tiling = tiling_for(w.shape[1], x.shape[1], norm=False, pairs=False, fp8=scale is not None)
+    if tiling is None:
+        return None
+    y = gemv(x, w, layer, scale=scale, tiling=tiling)
+    return y.sum(0) if tiling.splits > 1 else y.astype(jnp.float32)
+
+
 # ---- attention -------------------------------------------------------------------------------------------------
 
 def paged_attention_fn(q, k_pool, v_pool, layer, batch, block_size: int):

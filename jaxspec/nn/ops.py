@@ -200,6 +200,9 @@ class Ops:
     # weight inside the matmul (W8A16). None: W8A16 at every size.
     quantization: str | None = None
     w8a8_from_tokens: int | None = None
+    # FP8 weights on the gemv kernel: "fused" (the input norm, SwiGLU and residual inside, as bf16's) or "plain"
+    # (the kernel's plain product; the norm, SwiGLU and residual as XLA ops). JAXSPEC_FP8_GEMV.
+    fp8_gemv: str = "fused"
 
     def use_gemv(self, num_tokens: int) -> bool:
         limit = GEMV_MAX_TOKENS_FP8 if self.quantization is not None else GEMV_MAX_TOKENS
@@ -222,8 +225,9 @@ class Ops:
         if (norm is None) != (eps is None):
             raise ValueError(f"norm={norm!r} and eps={eps!r}: an input norm needs both its weight's name and eps")
         scale = lp.get(name + quant.SCALE)   # an FP8 weight's per-channel scales
-        if (name in self.gemv and group_sizes is None and out_dtype is None and x.ndim == 2
-                and self.use_gemv(x.shape[0])):
+        on_kernel = (name in self.gemv and group_sizes is None and out_dtype is None and x.ndim == 2
+                     and self.use_gemv(x.shape[0]))
+        if on_kernel and (scale is None or self.fp8_gemv == "fused"):
             y = kernels.gemv_linear(x, lp, name, norm=norm, eps=eps, residual=residual)
             if y is not None:   # None: no kernel tiling divides this weight
                 return y
@@ -236,7 +240,11 @@ class Ops:
         else:
             pairs = w.ndim == 3
             w = w.reshape(-1, w.shape[-1])      # pairs [F, 2, K]: gate and up rows interleaved, [2F, K]
-            if scale is not None:
+            plain = on_kernel and scale is not None and self.fp8_gemv == "plain"
+            y = kernels.gemv_matmul(x, lp, name) if plain else None
+            if y is not None:
+                y = y.astype(x.dtype)
+            elif scale is not None:
                 y = quant.fp8_matmul(x, w, scale.reshape(-1), w8a8=self.uses_w8a8(x), out_dtype=out_dtype)
             elif out_dtype is None:
                 y = x @ w.T
@@ -253,6 +261,8 @@ class Ops:
 
     def __post_init__(self):
         quant.check_scheme(self.quantization)
+        if self.fp8_gemv not in ("fused", "plain"):
+            raise ValueError(f"fp8_gemv={self.fp8_gemv!r} (JAXSPEC_FP8_GEMV) is unknown; choose 'fused' or 'plain'")
         if self.attention not in ("pallas", "reference", "dense"):
             raise ValueError(f"attention={self.attention!r} is unknown; choose 'pallas' or 'reference'")
         if self.delta_rule not in ("pallas", "reference"):
@@ -278,7 +288,8 @@ class Ops:
                    delta_rule=delta_rule, gemv=gemv_matmuls(os.environ.get(
                        "JAXSPEC_GEMV", ("all" if quantization else "down") if gpu else "")),
                    fused_attention=os.environ.get("JAXSPEC_FUSED_ATTENTION", "1") != "0",
-                   quantization=quantization, w8a8_from_tokens=w8a8_from_tokens(quantization, gpu))
+                   quantization=quantization, w8a8_from_tokens=w8a8_from_tokens(quantization, gpu),
+                   fp8_gemv=os.environ.get("JAXSPEC_FP8_GEMV", "fused"))
 
     def compiler_options(self, num_tokens: int, tier: str = "tuned") -> dict:
         """XLA options for the compile of a step of `num_tokens` tokens. "tuned": measured on an H100 (Qwen2.5-1.5B,
