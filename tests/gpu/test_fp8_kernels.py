@@ -1,11 +1,13 @@
 """The gemv kernel over FP8 weights as Triton compiles it (the CPU suite interprets it) against a reference over
 the same e4m3 bytes and scales (numpy, float64), at the engine's tilings for Qwen2.5-Coder-1.5B's shapes, float32
-activations (exact up to the order of accumulation) and bf16 (within bf16's rounding)."""
+activations (exact up to the order of accumulation) and bf16 (within bf16's rounding); the engine's default path
+(the kernel's product, the norm and SwiGLU around it) and the fused one."""
 import numpy as np
 import pytest
 
 from jaxspec.nn import quant
 from jaxspec.nn.kernels import LayerWeights, gemv_linear
+from jaxspec.nn.ops import Ops
 
 pytestmark = pytest.mark.gpu
 
@@ -27,8 +29,9 @@ def test_fp8_gemv_matches_xla(name, T, dtype):
     stacks = {"w": q, "w_scale": scale, "g": jnp.asarray(1 + 0.1 * rng.standard_normal((L, K)), dtype)}
     kw = dict(norm="g", eps=1e-6) if mode is not None else {}
     lp = LayerWeights(stacks, 1)
-    got = gemv_linear(x, lp, "w", **kw)
-    assert got is not None
+    fused = gemv_linear(x, lp, "w", **kw)   # the norm and SwiGLU inside the kernel
+    plain = Ops(gemv=frozenset({"w"}), quantization="fp8", fp8_gemv="plain").linear(x, lp, "w", **kw)
+    assert fused is not None
     # the reference in numpy, float64 (XLA's float32 matmul on a GPU defaults to TF32, too coarse to compare with)
     xr = np.asarray(x, np.float64)
     if mode is not None:
@@ -40,4 +43,7 @@ def test_fp8_gemv_matches_xla(name, T, dtype):
         gu = want.reshape(T, N, 2)
         want = gu[..., 0] / (1 + np.exp(-gu[..., 0])) * gu[..., 1]
     tol = 1e-4 if dtype == "float32" else 3e-2
-    np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=tol, atol=tol)
+    for path, got in (("plain", plain), ("fused", fused)):
+        err = np.abs(np.asarray(got, np.float64) - want).max()
+        print(f"{name} T={T} {dtype} {path}: max error {err:.2e}")
+        np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=tol, atol=tol, err_msg=path)
