@@ -216,7 +216,7 @@ class StepPrograms:
             return
         from tqdm.auto import tqdm
         bar = tqdm(total=len(jobs), desc=desc, leave=False, disable=desc is None)
-        jobs = self._load_stored(jobs, grammar_spec, bar)
+        jobs = self._load_stored(jobs, bar)
         autotuned = [(k, t) for k, t in jobs if t == TUNED and len(self.tiers(k[0])) > 1]
         plain = [(k, t) for k, t in jobs if (k, t) not in autotuned]
         if parallel and len(plain) > 1:
@@ -238,10 +238,10 @@ class StepPrograms:
             bar.update()
         bar.close()
 
-    def _load_stored(self, jobs, grammar_spec, bar) -> list:
+    def _load_stored(self, jobs, bar) -> list:
         """Loads the jobs the store has (in parallel: loading copies each program to the device), and returns the
-        others."""
-        stored = [(k, t) for k, t in jobs if self.store is not None and grammar_spec is None and self.store.has(k, t)]
+        others (a grammar program is never stored)."""
+        stored = [(k, t) for k, t in jobs if self.store is not None and self.store.has(k, t)]
         if not stored:
             return jobs
         in_background = threading.current_thread() is not threading.main_thread()

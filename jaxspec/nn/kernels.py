@@ -47,7 +47,7 @@ def gemv_linear(x, lp, name: str, *, norm: str | None = None, eps: float | None 
     if norm is not None:
         g, g_layer = stacked(lp, norm)
         assert g_layer == layer
-    scale = stacked(lp, name + "_scale")[0] if name + "_scale" in lp else None   # FP8 weights' scales
+    scale = _scales(lp, name)
     tiling = tiling_for(w.shape[1], x.shape[1], norm=norm is not None, pairs=w.ndim == 4, fp8=scale is not None)
     if tiling is None:
         return None
@@ -59,10 +59,10 @@ def gemv_linear(x, lp, name: str, *, norm: str | None = None, eps: float | None 
 
 def gemv_matmul(x, lp, name: str):
     """x [T, K] @ lp[name].T over the gemv kernel with nothing around it (a gate/up pair weight [F, 2, K] read as
-    its [2F, K] rows): f32 [T, N] (pairs [T, 2F], interleaved), or None where no tiling divides the weight. FP8
-    weights' unfused path (Ops.fp8_gemv), whose plain tilings were swept for e4m3."""
+    its [2F, K] rows): [T, N] (pairs [T, 2F], interleaved) in x's dtype, or None where no tiling divides the weight.
+    FP8 weights' unfused path (Ops.fp8_gemv), whose plain tilings were swept for e4m3."""
     w, layer = stacked(lp, name)
-    scale = stacked(lp, name + "_scale")[0] if name + "_scale" in lp else None
+    scale = _scales(lp, name)
     if w.ndim == 4:   # [L, F, 2, K] -> [L, 2F, K]: a bitcast, the stack still read in place
         w = w.reshape(w.shape[0], -1, w.shape[-1])
         scale = None if scale is None else scale.reshape(scale.shape[0], -1)
@@ -70,7 +70,12 @@ def gemv_matmul(x, lp, name: str):
     if tiling is None:
         return None
     y = gemv(x, w, layer, scale=scale, tiling=tiling)
-    return y.sum(0) if tiling.splits > 1 else y.astype(jnp.float32)
+    return (y.sum(0) if tiling.splits > 1 else y).astype(x.dtype)
+
+
+def _scales(lp, name: str):
+    """The stacked per-channel scales of an FP8 weight (jaxspec.nn.quant stores them as `<name>_scale`), or None."""
+    return stacked(lp, name + "_scale")[0] if name + "_scale" in lp else None
 
 
 # ---- attention -------------------------------------------------------------------------------------------------

@@ -242,15 +242,11 @@ class Ops:
             pairs = w.ndim == 3
             w = w.reshape(-1, w.shape[-1])      # pairs [F, 2, K]: gate and up rows interleaved, [2F, K]
             plain = on_kernel and scale is not None and self.fp8_gemv == "plain"
-            y = kernels.gemv_matmul(x, lp, name) if plain else None
-            if y is not None:
-                y = y.astype(x.dtype)
-            elif scale is not None:
+            y = kernels.gemv_matmul(x, lp, name) if plain else None   # None: no tiling fits, XLA's matmul
+            if y is None and scale is not None:
                 y = quant.fp8_matmul(x, w, scale.reshape(-1), w8a8=self.uses_w8a8(x), out_dtype=out_dtype)
-            elif out_dtype is None:
-                y = x @ w.T
-            else:
-                y = jnp.einsum("...k,nk->...n", x, w, preferred_element_type=out_dtype)
+            elif y is None:
+                y = x @ w.T if out_dtype is None else jnp.einsum("...k,nk->...n", x, w, preferred_element_type=out_dtype)
         if pairs:
             y = y.reshape(*y.shape[:-1], -1, 2)
             y = jax.nn.silu(y[..., 0]) * y[..., 1]

@@ -47,14 +47,20 @@ def quantized_schema(schema):
     return out
 
 
+def _to_e4m3(x):
+    """x [..., K] -> (e4m3 [..., K], f32 scale [..., 1]): each row scaled so that its largest magnitude is e4m3's
+    largest finite value (an all-zero row keeps scale 1)."""
+    x = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
+    scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
+    return (x / scale).astype(FP8), scale
+
+
 @jax.jit
 def quantize_fp8(w):
-    """w [..., N, K] -> (e4m3 values [..., N, K], f32 scales [..., N]): each output channel (row) scaled so that its
-    largest magnitude is e4m3's largest finite value."""
-    w = w.astype(jnp.float32)
-    amax = jnp.max(jnp.abs(w), axis=-1)
-    scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
-    return (w / scale[..., None]).astype(FP8), scale
+    """w [..., N, K] -> (e4m3 values [..., N, K], f32 scales [..., N]): one scale per output channel (row)."""
+    q, scale = _to_e4m3(w)
+    return q, scale[..., 0]
 
 
 def quantize_params(params):
@@ -84,21 +90,13 @@ def quantized_names(params, prefix: str = "") -> list[str]:
     return names
 
 
-def quantize_activations(x):
-    """x [..., K] -> (e4m3 [..., K], f32 scale [..., 1]) per token (row)."""
-    xf = x.astype(jnp.float32)
-    amax = jnp.max(jnp.abs(xf), axis=-1, keepdims=True)
-    scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
-    return (xf / scale).astype(FP8), scale
-
-
 def fp8_matmul(x, w, scale, *, w8a8: bool, out_dtype=None):
     """x [..., K] @ w.T with w e4m3 [N, K] and its scales f32[N] -> [..., N] in out_dtype (None: x's dtype).
     W8A16 (w8a8 False): w converted to x's dtype inside the matmul, f32 accumulation, scaled after. W8A8: x
     quantized per token, an e4m3 x e4m3 matmul with f32 accumulation, both scales applied after."""
     out_dtype = x.dtype if out_dtype is None else out_dtype
     if w8a8:
-        xq, x_scale = quantize_activations(x)
+        xq, x_scale = _to_e4m3(x)   # per token
         y = jnp.einsum("...k,nk->...n", xq, w, preferred_element_type=jnp.float32)
         return (y * x_scale * scale).astype(out_dtype)
     y = jnp.einsum("...k,nk->...n", x, w.astype(x.dtype), preferred_element_type=jnp.float32)
