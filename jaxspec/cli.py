@@ -98,7 +98,7 @@ def add_engine_args(p: argparse.ArgumentParser):
                         "autotuned first), fast (everything first, nothing autotuned), none (each on first use)")
     p.add_argument("--quantization", "-q", default=None, choices=["fp8"],
                    help="weights quantized on load: fp8 (float8 e4m3 with per-output-channel scales: the layers' "
-                        "projections of the target and of a draft model)")
+                        "projections, MoE experts included, of the target and of a draft model or EAGLE/MTP head)")
     p.add_argument("--logprobs-mode", default="raw_logprobs", choices=["raw_logprobs", "processed_logprobs"],
                    help="what logprobs return: the model's log-softmax (raw) or the distribution sampled from "
                         "(processed: after penalties, temperature, top-k/top-p/min-p)")

@@ -1,12 +1,16 @@
-"""FP8 weights (jaxspec.nn.quant): the quantized matmul against a numpy reference of the same e4m3 bytes and scales,
-the engine's fp8 target decoding losslessly with every drafter, async == sync, and greedy agreement with the
-unquantized model at the rate measured on a real model."""
+"""FP8 weights (jaxspec.nn.quant): the quantized matmul (MoE experts' grouped one too) against a numpy reference of
+the same e4m3 bytes and scales, the engine's fp8 target decoding losslessly with every drafter (draft models and
+EAGLE / EAGLE-3 / MTP heads quantized with it), async == sync, a hybrid MoE model with every projection quantized,
+scales placed with their weights under tensor parallelism, and greedy agreement with the unquantized model at the
+rate measured on a real model."""
+import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
 
 from jaxspec import LLM, SamplingParams
-from jaxspec.nn import quant
+from jaxspec.nn import quant, schema
 from jaxspec.nn.ops import Ops
 from test_spec import (ENGINE, METHODS, assert_greedy_lossless, assert_partial_acceptance, drafters,  # noqa: F401
                        make_llm, prompt_of, run, target)
@@ -64,6 +68,43 @@ def test_fp8_linear_equals_the_dequantized_reference(w8a8, pairs):
     assert np.abs(wrong - ref).max() > 100 * 2e-6
 
 
+def silu_product(y):
+    """A gate/up pair's output [..., F, 2] -> silu(gate) * up [..., F]."""
+    return y[..., 0] / (1 + np.exp(-y[..., 0])) * y[..., 1]
+
+
+@pytest.mark.parametrize("pairs", [False, True])
+def test_fp8_experts_equal_the_dequantized_reference(pairs):
+    """MoE experts [E, K, N...] are quantized per expert and output channel, over K (the axis the grouped matmul sums:
+    not the last one here), and Ops.linear's grouped matmul over them (rows grouped by expert, one group empty; W8A16
+    even where a step would quantize activations) equals numpy: each row times its own expert's dequantized weight.
+    The experts' channels differ in scale by up to e^4, so another expert's scales are far off."""
+    rng = np.random.default_rng(5)
+    E, K, N, M = 4, 48, 24, 11
+    shape = (E, K, N, 2) if pairs else (E, K, N)
+    w = rng.standard_normal(shape) * np.exp(rng.uniform(-3, 1, (E, 1, *shape[2:])))
+    name = "experts_gate_up" if pairs else "experts_down"
+    params = {k: np.asarray(v) for k, v in quant.quantize_params({name: w.astype(np.float32)}).items()}
+    q, scale = params[name], params[name + "_scale"]
+    k_last = np.moveaxis(w.astype(np.float32), 1, -1)                                  # [E, N..., K]
+    assert q.shape == shape and scale.shape == (E, *shape[2:])
+    np.testing.assert_allclose(scale, numpy_quantize(k_last)[1], rtol=2e-7)
+    np.testing.assert_array_equal(np.moveaxis(q, 1, -1).view(np.uint8),
+                                  (k_last / scale[..., None]).astype(E4M3).view(np.uint8))
+    group_sizes = np.array([3, 0, 6, 2], np.int32)
+    x = rng.standard_normal((M, K)).astype(np.float32)
+    expert = np.repeat(np.arange(E), group_sizes)                                       # each row's expert
+    dequant = q.astype(np.float64) * scale[:, None]                                     # [E, K, N...]
+    ref = np.einsum("mk,mk...->m...", x.astype(np.float64), dequant[expert])
+    ref = silu_product(ref) if pairs else ref
+    tolerance = 1e-6 * np.abs(ref).max()   # float32 accumulation over K
+    for ops in (Ops(), Ops(w8a8_from_tokens=1)):
+        y = np.asarray(ops.linear(x, params, name, group_sizes=group_sizes))
+        np.testing.assert_allclose(y, ref, rtol=2e-6, atol=tolerance)
+    shifted = {name: q, name + "_scale": np.roll(scale, 1, axis=0)}                    # the previous expert's scales
+    assert np.abs(np.asarray(Ops().linear(x, shifted, name, group_sizes=group_sizes)) - ref).max() > 1000 * tolerance
+
+
 def test_serve_and_bench_pass_quantization_through():
     import argparse
 
@@ -98,12 +139,23 @@ def fp8_plain(target):  # noqa: F811
     return llm, prompts, [o.token_ids for o in outs]
 
 
+TARGET_NAMES = [f"layers.attention.{name}" for name in ("down_proj", "gate_up_proj", "o_proj", "qkv_proj")]
+
+
+def assert_declared(declared, params, what: str):
+    """The params are the arrays `declared` (a schema) says, in shape and, where it names one, dtype (e4m3 weights,
+    float32 scales): what placement, sharding and the step's program specs are built from."""
+    schema.check(declared, params, what)
+    specs = dict(jax.tree_util.tree_flatten_with_path(declared, is_leaf=schema.is_spec)[0])
+    for path, value in jax.tree_util.tree_flatten_with_path(params)[0]:
+        if specs[path].dtype is not None:
+            assert value.dtype == jnp.dtype(specs[path].dtype), f"{what}{jax.tree_util.keystr(path)}: {value.dtype}"
+
+
 def test_fp8_target_decodes_its_own_argmax(fp8_plain, target):  # noqa: F811
     llm, prompts, tokens = fp8_plain
     report = llm.stats()["quantization"]
-    assert report["scheme"] == "fp8" and sorted(report["target"]) == [
-        "layers.attention.down_proj", "layers.attention.gate_up_proj", "layers.attention.o_proj",
-        "layers.attention.qkv_proj"]
+    assert report["scheme"] == "fp8" and sorted(report["target"]) == TARGET_NAMES
     assert str(llm.model.params["layers"]["attention"]["qkv_proj"].dtype) == "float8_e4m3fn"
     assert target.quantization is None and target.params["layers"]["attention"]["qkv_proj"].dtype == np.float32
     assert_greedy_lossless(llm.model, prompts, [type("O", (), {"token_ids": t}) for t in tokens])
@@ -114,7 +166,9 @@ def test_fp8_target_decodes_its_own_argmax(fp8_plain, target):  # noqa: F811
 @pytest.mark.parametrize("method", METHODS)
 def test_speculation_over_an_fp8_target_is_lossless(fp8_plain, target, drafters, method):  # noqa: F811
     """Every drafter over the fp8 target emits the fp8 target's own greedy tokens, with drafts accepted and
-    rejected; a draft model is quantized with it. Sync scheduling gives the same tokens and counts."""
+    rejected; a draft model and an EAGLE / EAGLE-3 head are quantized with it (fc and the layers' projections; an
+    EAGLE-3 head's lm_head kept, as the target's is), and the drafter declares the params it holds. Sync scheduling
+    gives the same tokens and counts."""
     _, prompts, tokens = fp8_plain
     params = SamplingParams(temperature=0, max_tokens=16)
     llm = make_llm(target, drafters, method, 3, quantization="fp8")
@@ -122,7 +176,13 @@ def test_speculation_over_an_fp8_target_is_lossless(fp8_plain, target, drafters,
     assert [o.token_ids for o in outs] == tokens
     stats = llm.stats()
     assert_partial_acceptance(stats["spec"], 1)
-    assert bool(stats["quantization"]["drafter"]) == (method == "draft_model")
+    expected = {"ngram": [], "draft_model": TARGET_NAMES}.get(method, ["fc"] + TARGET_NAMES)
+    assert sorted(stats["quantization"]["drafter"]) == expected
+    runner = llm.engine.runner
+    if method != "ngram":
+        assert_declared(runner.drafter.param_schema(), runner.drafter_params, method)
+    if method == "eagle3":
+        assert runner.drafter_params["lm_head"].dtype == np.float32
     if method == "draft_model":   # a pool without preemption (which moves step boundaries): async == sync
         counts = {}
         for mode in (True, False):
@@ -132,6 +192,104 @@ def test_speculation_over_an_fp8_target_is_lossless(fp8_plain, target, drafters,
             counts[mode] = ([(o.metrics["num_draft_tokens"], o.metrics["num_accepted_tokens"]) for o in outs],
                             llm.stats()["spec"]["per_position_acceptance"])
         assert counts[True] == counts[False]
+
+
+def scale_placement(weight_spec, ndim: int, contracted: int) -> tuple:
+    """Where a weight's scale belongs, given the weight's placement: split as its output channels are, whole where the
+    weight splits the contracted axis (row-parallel: every device computes part of every output channel)."""
+    dims = list(weight_spec) + [None] * (ndim - len(weight_spec))
+    if dims[contracted] is not None:
+        return ()
+    del dims[contracted]
+    return spec_tuple(dims)
+
+
+def spec_tuple(spec) -> tuple:
+    """A PartitionSpec as a tuple without trailing Nones (P(None, "tp") and P(None, "tp", None) are one placement)."""
+    dims = list(spec)
+    while dims and dims[-1] is None:
+        dims.pop()
+    return tuple(dims)
+
+
+def assert_scales_placed_with_weights(shardings: dict, declared: dict, where: str) -> list[str]:
+    """Every quantized weight's scale in `shardings` (a tree of PartitionSpecs, as `declared`) is placed as
+    `scale_placement` says. -> the weights whose scales are split."""
+    split = []
+    for name, value in declared.items():
+        if isinstance(value, dict):
+            split += assert_scales_placed_with_weights(shardings[name], value, f"{where}{name}.")
+        elif name in quant.QUANTIZED and name + quant.SCALE in declared:
+            want = scale_placement(shardings[name], len(value.shape), quant.CONTRACTED[name])
+            got = spec_tuple(shardings[name + quant.SCALE])
+            assert got == want, f"{where}{name}_scale placed {got}, its weight {tuple(shardings[name])}"
+            split += [where + name] if want else []
+    return split
+
+
+def test_fp8_under_tensor_parallelism_places_each_scale_with_its_weight(fp8_plain, target, drafters):  # noqa: F811
+    """Two devices, the fp8 target and an fp8 EAGLE-3 head: each scale is split with a column-parallel weight (q/k/v,
+    gate/up) and whole beside a row-parallel one (o, down), and greedy speculation emits one device's fp8 tokens. The
+    declarations place a hybrid MoE model's scales alike (experts' gate/up split with their columns, their down
+    whole)."""
+    from jaxspec.nn.decoder import Decoder
+    from jaxspec.nn.sharding import PARAM_RULES, TensorParallel
+    _, prompts, tokens = fp8_plain
+    llm = make_llm(target, drafters, "eagle3", 3, quantization="fp8", tensor_parallel_size=2, num_kv_blocks=40)
+    runner = llm.engine.runner
+    placed = {"target": (runner.params, runner.target.param_schema()),
+              "head": (runner.drafter_params, runner.drafter.param_schema())}
+    for what, (params, declared) in placed.items():
+        specs = jax.tree_util.tree_map(lambda a: a.sharding.spec, params)
+        split = assert_scales_placed_with_weights(specs, declared, f"{what}:")
+        assert sorted(split) == [f"{what}:layers.attention.{n}" for n in ("gate_up_proj", "qkv_proj")]
+    assert [o.token_ids for o in run(llm, prompts, SamplingParams(temperature=0, max_tokens=16))] == tokens
+    config = hybrid_moe_model().config
+    tp = TensorParallel.create(2, [config])
+    declared = Decoder(config, Ops(quantization="fp8")).param_schema()
+    specs = jax.tree_util.tree_map(lambda s: s.spec, tp.shardings(declared, PARAM_RULES))
+    split = assert_scales_placed_with_weights(specs, declared, "")
+    assert sorted(split) == sorted(["layers.gated_attention.qkv_proj"] + [
+        f"layers.{kind}.{n}" for kind in ("gated_deltanet", "gated_attention")
+        for n in ("experts_gate_up", "shared_gate_up")])
+
+
+def hybrid_moe_model():
+    """The Qwen3-Next hybrid of tests/test_hybrid.py (a Gated DeltaNet and a gated attention layer, each with 4 experts,
+    top 2, and a gated shared expert), its weights drawn here at unit gain: quantizing needs no checkpoint."""
+    from test_hybrid import DIMS, HYBRIDS
+    from jaxspec.models.config import ModelConfig
+    from jaxspec.models.model import Model
+    from jaxspec.nn.decoder import Decoder
+    hf = {k: v for k, v in {**DIMS, **HYBRIDS["qwen3_next"][1]}.items() if v is not None}
+    config = ModelConfig.from_hf({"model_type": "qwen3_next", **hf})
+    params = schema.initialize(Decoder(config).param_schema(), jnp.float32, jax.random.PRNGKey(7))
+    return Model(config, params, name="tiny-qwen3-next")
+
+
+def test_fp8_hybrid_moe_quantizes_every_projection_and_speculates_losslessly():
+    """A hybrid MoE model in fp8 with MTP drafting: every projection of the target quantized (Gated DeltaNet in/out,
+    attention q/k/v and o, the experts and the shared expert; routers and gates kept) and of the MTP head (its fc and
+    layer, experts included), and through chunked prefill and rejected drafts (the head's weights are random) every
+    token emitted is the fp8 model's own argmax."""
+    from jaxspec.decode.drafters.mtp import random_mtp_params
+    model = hybrid_moe_model()
+    prompts = [[5, 9, 17, 3, 5, 9, 17, 3, 5], [100, 2, 60]]
+    llm = LLM(model, max_num_seqs=2, max_model_len=48, block_size=4, max_num_batched_tokens=8, warmup=False,
+              quantization="fp8", speculative_config=dict(method="mtp", num_speculative_tokens=2,
+                                                          model=random_mtp_params(model.config, "float32")))
+    outs = run(llm, prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    stats, runner = llm.stats(), llm.engine.runner
+    ffn = ["experts_down", "experts_gate_up", "shared_down", "shared_gate_up"]
+    layer = {"gated_deltanet": ["in_proj", "out_proj"], "gated_attention": ["o_proj", "qkv_proj"]}
+    assert sorted(stats["quantization"]["target"]) == sorted(
+        f"layers.{kind}.{n}" for kind, names in layer.items() for n in names + ffn)
+    assert sorted(stats["quantization"]["drafter"]) == ["fc"] + sorted(
+        f"layers.gated_attention.{n}" for n in layer["gated_attention"] + ffn)
+    assert_declared(runner.target.param_schema(), llm.model.params, "target")
+    assert_declared(runner.drafter.param_schema(), runner.drafter_params, "mtp")
+    assert stats["spec"]["draft_tokens"] > 0
+    assert_greedy_lossless(llm.model, prompts, outs)
 
 
 # Fixed text (the rates below were measured on it): prose, a list and code.

@@ -2,8 +2,11 @@
 with a random head written in the published HF layout (32000-token draft vocabulary), at batch 1 and 8. Runs
 against this tree or an older checkout (see benchmarks/end_to_end/bench_core.py).
 
-    python3 benchmarks/end_to_end/bench_eagle3_step.py
+    python3 benchmarks/end_to_end/bench_eagle3_step.py [--quantization fp8]
+
+--quantization fp8: the target's and the head's projections in FP8 (LLM's quantization).
 """
+import argparse
 import os
 import sys
 import time
@@ -19,10 +22,13 @@ from jaxspec.models.random import random_model  # noqa: E402
 
 
 def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--quantization", default=None, choices=["fp8"])
+    a = p.parse_args()
     target = random_model("qwen2.5-coder-1.5b-instruct", dtype="bfloat16")
     head = write_eagle3_head("/tmp/eagle3_head", target.config, seed=0, draft_vocab_size=32000)
     llm = LLM(target, max_num_seqs=8, max_model_len=512, max_num_batched_tokens=256, warmup=False,
-              speculative_config={"method": "eagle3", "model": str(head), "num_speculative_tokens": 4})
+              quantization=a.quantization, speculative_config={"method": "eagle3", "model": str(head), "num_speculative_tokens": 4})
     for b in (1, 8):
         rng = np.random.default_rng(b)
         llm.generate([rng.integers(0, 1000, 128).tolist() for _ in range(b)],
@@ -34,7 +40,7 @@ def main():
         for _ in range(20):
             out = replay(T)
         jax.block_until_ready(out["tokens"])
-        print(f"eagle3 k=4 batch {b}: device step {1e3 * (time.perf_counter() - t0) / 20:.3f} ms", flush=True)
+        print(f"eagle3 k=4 {a.quantization or 'bf16'} batch {b}: device step {1e3 * (time.perf_counter() - t0) / 20:.3f} ms", flush=True)
 
 
 if __name__ == "__main__":

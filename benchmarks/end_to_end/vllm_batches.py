@@ -6,7 +6,7 @@ included), the numbers tpot_phases.py prints for jaxspec. (vLLM's per-request TP
 which costs time every step, so it is left off here.)
 
     PYTHONPATH=/tmp/vllm-site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 python3 benchmarks/end_to_end/vllm_batches.py \
-        MODEL_DIR OUT.json [--dummy] [--batches 1 8 32]
+        MODEL_DIR OUT.json [--dummy] [--batches 1 8 32] [--quantization fp8]
 
 MODEL_DIR: a Hugging Face directory (bf16 weights, e.g. benchmarks/end_to_end/gguf_to_hf.py's output); --dummy:
 vLLM's random weights of its config (load_format="dummy"). One engine serves every batch size (max_num_seqs = the largest).
@@ -27,12 +27,14 @@ def main():
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    p.add_argument("--quantization", default=None, help="vLLM's quantization (fp8: its online FP8, per-channel "
+                                                        "weights and dynamic per-token activations)")
     a = p.parse_args()
     from vllm import LLM, SamplingParams
     t0 = time.perf_counter()
     llm = LLM(model=a.model, max_num_seqs=max(a.batches), max_model_len=1024, max_num_batched_tokens=512,
               dtype="bfloat16", seed=0, skip_tokenizer_init=True, gpu_memory_utilization=a.gpu_memory_utilization,
-              disable_log_stats=True, **({"load_format": "dummy"} if a.dummy else {}))
+              disable_log_stats=True, quantization=a.quantization, **({"load_format": "dummy"} if a.dummy else {}))
     print(f"vLLM engine up in {time.perf_counter() - t0:.1f} s", flush=True)
     params = SamplingParams(temperature=0, max_tokens=a.output_len, ignore_eos=True, detokenize=False)
     results = []

@@ -80,7 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="when the step programs compile (LLM's warmup); the measurement starts once all are compiled")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="devices to split the model over")
     p.add_argument("--quantization", "-q", default=None, choices=["fp8"],
-                   help="weights quantized on load: fp8 (e4m3, per-channel scales; the target and a draft model)")
+                   help="weights quantized on load: fp8 (e4m3, per-channel scales; the target and a draft "
+                        "model or EAGLE/MTP head)")
     p.add_argument("--request-rate", type=positive_float(allow_inf=True), default=float("inf"),
                    help="requests (conversations) per second, Poisson arrivals; inf: all at once")
     p.add_argument("--base-url", help="benchmark a running `jaxspec serve` (or any OpenAI-compatible server)")

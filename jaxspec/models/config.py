@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from jaxspec.models.fp8_checkpoint import checkpoint_format, quantization_config_of
+
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_next", "qwen3_5")
 # Hybrids: Gated DeltaNet ("linear_attention") and gated full-attention layers, zero-centred RMSNorms.
 HYBRID_ARCHITECTURES = ("qwen3_next", "qwen3_5")
@@ -106,6 +108,9 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
         """Build from a HF config.json dict; a missing required field raises a ValueError naming it."""
+        quantized = quantization_config_of(hf)
+        if quantized:   # its tensors are not all the weights themselves: an FP8 format it names, or refused
+            checkpoint_format(quantized)
         model_type = hf.get("model_type")
         if model_type in ("qwen3_5", "qwen3_5_moe") and isinstance(hf.get("text_config"), dict):
             # a Qwen3.5 checkpoint (vision-language): its text model's config is nested
@@ -116,13 +121,6 @@ class ModelConfig:
         if model_type not in _HF_MODEL_TYPES:
             raise ValueError(
                 f"unsupported architecture model_type={model_type!r}; supported: {', '.join(sorted(_HF_MODEL_TYPES))}")
-        quantized = hf.get("quantization_config")
-        if quantized:   # its tensors are not the weights themselves (scales, packed values): refused, never misread
-            scheme = quantized.get("quant_method") if isinstance(quantized, dict) else quantized
-            detail = quantized.get("format") or quantized.get("fmt") if isinstance(quantized, dict) else None
-            raise ValueError(f"quantization_config quant_method={scheme!r}{f' ({detail})' if detail else ''}: "
-                             "checkpoints stored quantized are not supported yet; load the model's bf16 checkpoint "
-                             "with quantization='fp8' (--quantization fp8) to run it in FP8")
         moe_only = hf.get("num_experts") and _HF_MODEL_TYPES[model_type] in HYBRID_ARCHITECTURES
         if "intermediate_size" not in hf and moe_only:   # every layer MoE (Qwen3.5 MoE): no dense MLP width
             hf = {**hf, "intermediate_size": hf.get("moe_intermediate_size", 0)}

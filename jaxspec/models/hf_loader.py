@@ -12,26 +12,33 @@ from safetensors import safe_open
 
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.errors import CorruptModelFileError
+from jaxspec.models.fp8_checkpoint import checkpoint_format, load_fp8_params, quantization_config_of
 from jaxspec.models.model import Model
 from jaxspec.models.weights import params_from_hf_tensors, resolve_dtype
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-_RAW_DTYPES = {"BF16": ml_dtypes.bfloat16, "F16": np.float16, "F32": np.float32}
+_RAW_DTYPES = {"BF16": ml_dtypes.bfloat16, "F16": np.float16, "F32": np.float32, "F8_E4M3": ml_dtypes.float8_e4m3fn}
+_NOT_IN_NUMPY = ("BF16", "F8_E4M3")   # dtypes safetensors' numpy backend cannot give
 
 
-def read_config(path: str | os.PathLike) -> ModelConfig:
-    """ModelConfig from `path/config.json`; FileNotFoundError if absent, ValueError if invalid or incomplete."""
+def read_hf_json(path: str | os.PathLike) -> dict:
+    """`path/config.json` as a dict; FileNotFoundError if absent, CorruptModelFileError if not JSON."""
     config_path = Path(path) / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"no config.json in {str(path)!r} (a HF model directory needs one)")
     try:
-        hf = json.loads(config_path.read_text())
+        return json.loads(config_path.read_text())
     except json.JSONDecodeError as e:
         raise CorruptModelFileError(f"{str(config_path)!r} is not valid JSON: {e}") from e
+
+
+def read_config(path: str | os.PathLike) -> ModelConfig:
+    """ModelConfig from `path/config.json`; FileNotFoundError if absent, ValueError if invalid or incomplete."""
+    hf = read_hf_json(path)
     try:
         return ModelConfig.from_hf(hf)
     except ValueError as e:
-        raise type(e)(f"{config_path}: {e}") from e
+        raise type(e)(f"{Path(path) / 'config.json'}: {e}") from e
 
 
 class SafetensorsDir:
@@ -68,11 +75,21 @@ class SafetensorsDir:
         return name in self.file_of
 
     def get_tensor(self, name: str) -> np.ndarray:
-        """The tensor `name` as a numpy array (bf16 as ml_dtypes.bfloat16); KeyError if absent."""
+        """The tensor `name` as a numpy array (bf16 as ml_dtypes.bfloat16); KeyError if absent. A float8 tensor is
+        refused: its values need their scales (`get_raw`, jaxspec.models.fp8_checkpoint)."""
+        value = self.get_raw(name)
+        if value.dtype == ml_dtypes.float8_e4m3fn:
+            raise CorruptModelFileError(f"tensor {name!r} is stored in float8_e4m3fn, which this loader does not "
+                                        "read (FP8 checkpoints load their layers' weights with their scales)")
+        return value
+
+    def get_raw(self, name: str) -> np.ndarray:
+        """The tensor `name` as stored (bf16 as ml_dtypes.bfloat16, float8 e4m3 as ml_dtypes.float8_e4m3fn);
+        KeyError if absent."""
         file = self.file_of[name]
         handle = self._open(file)
-        if handle.get_slice(name).get_dtype() == "BF16":
-            return _read_raw(file, name)  # safetensors' numpy backend has no bfloat16
+        if handle.get_slice(name).get_dtype() in _NOT_IN_NUMPY:
+            return _read_raw(file, name)
         return handle.get_tensor(name)
 
 
@@ -101,21 +118,30 @@ def load_tokenizer_dir(path: str | os.PathLike):
 
 
 def load_hf_dir(path: str | os.PathLike, dtype="bfloat16") -> Model:
-    """Load a llama / qwen2 / qwen3 / qwen3_next / qwen3_5 HF directory: config.json, safetensors weights, tokenizer if present."""
+    """Load a llama / qwen2 / qwen3 / qwen3_next / qwen3_5 HF directory: config.json, safetensors weights, tokenizer if
+    present. A checkpoint stored in FP8 (jaxspec.models.fp8_checkpoint) keeps its e4m3 weights: the Model comes back
+    with quantization="fp8" and its format in quantization_detail."""
     dtype = resolve_dtype(dtype)
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"HF model directory not found: {str(path)!r}")
     config = read_config(path)
+    quantized = quantization_config_of(read_hf_json(path))   # checked by read_config: an FP8 format
     tensors = SafetensorsDir(path)
-    get_tensor = tensors.get_tensor
+    get_tensor = tensors.get_raw if quantized else tensors.get_tensor
     if "model.language_model.embed_tokens.weight" in tensors:
         # a vision-language checkpoint (Qwen3.5): the text model's tensors are under model.language_model.*
-        def get_tensor(name, get=tensors.get_tensor):
+        def get_tensor(name, get=get_tensor):
             return get("model.language_model." + name[len("model."):] if name.startswith("model.") else name)
-    params = params_from_hf_tensors(config, get_tensor, dtype)
+    quantization = detail = None
+    if quantized:   # stored in FP8: its e4m3 weights kept as they are (the engine runs it as quantization="fp8")
+        params, detail = load_fp8_params(config, get_tensor, checkpoint_format(quantized), dtype)
+        quantization = "fp8"
+    else:
+        params = params_from_hf_tensors(config, get_tensor, dtype)
     tokenizer = load_tokenizer_dir(path)
     if tokenizer is not None:
         eos_ids = tuple(dict.fromkeys((*config.eos_token_ids, *tokenizer.eos_token_ids)))
         config = dataclasses.replace(config, eos_token_ids=eos_ids)
-    return Model(config=config, params=params, tokenizer=tokenizer, name=path.name, dtype=dtype, source=str(path))
+    return Model(config=config, params=params, tokenizer=tokenizer, name=path.name, dtype=dtype, source=str(path),
+                 quantization=quantization, quantization_detail=detail)

@@ -18,6 +18,9 @@ class Model:
     dtype: str = "float32"
     source: str | None = None  # the HF directory it was loaded from (MTP drafting reads its mtp.* tensors there)
     quantization: str | None = None  # "fp8": the layers' projections are e4m3 with scales (jaxspec.nn.quant)
+    # How quantized weights came to be, where the checkpoint stored them so (jaxspec.models.fp8_checkpoint: its
+    # format and scale layout); None: quantized on load by the engine, or not quantized.
+    quantization_detail: str | None = None
 
     def score(self, token_ids) -> np.ndarray:
         """Logits [T, vocab] of a dense causal forward over `token_ids` (no KV cache)."""

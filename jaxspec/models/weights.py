@@ -156,6 +156,9 @@ HF_LAYER_TENSORS["gated_deltanet"] = {
 # Combines that read the model config (first argument).
 _CONFIG_COMBINES = {plus_one, group_gated_qkv, concat_rows, _gdn_in_proj_combine, conv_kernel, stack_expert_gate_up,
                     stack_expert_down}
+# Combines that only order, group and concatenate their tensors' rows (the last axis carried along): a per-row
+# array of each tensor (an FP8 checkpoint's scales, jaxspec.models.fp8_checkpoint) combines into the weight's rows.
+ROW_COMBINES = {None, group_qkv, interleave_gate_up, concat_rows, group_gated_qkv, _gdn_in_proj_combine}
 
 
 def layer_sources(kind: str, name: str, config) -> tuple[str, ...]:
@@ -193,17 +196,28 @@ def read_layer_weight(get_tensor, kind: str, name: str, prefix: str, config, sha
     if optional and not all(_has(get_tensor, n) for n in names):
         return None
     parts = [_read(get_tensor, n) for n in names]
-    if combine is group_qkv:
-        value = combine(*parts, config.num_kv_heads)
-    elif combine in _CONFIG_COMBINES:
-        value = combine(config, *parts)
-    else:
-        value = combine(*parts) if combine else parts[0]
+    value = combine_parts(combine, parts, config)
     if tuple(value.shape) != tuple(shape):
         shown = ", ".join(f"{n} {tuple(p.shape)}" for n, p in list(zip(names, parts))[:4])
         raise CorruptModelFileError(f"{shown}: give {name} of shape {tuple(value.shape)}; the config implies "
                                     f"{tuple(shape)}")
     return value.astype(np_dtype, copy=False)
+
+
+def combine_parts(combine, parts: list, config) -> np.ndarray:
+    """The HF tensors of one declared weight combined as HF_LAYER_TENSORS says (None: the one tensor as it is)."""
+    if combine is group_qkv:
+        return combine(*parts, config.num_kv_heads)
+    if combine in _CONFIG_COMBINES:
+        return combine(config, *parts)
+    return combine(*parts) if combine else parts[0]
+
+
+def read_layer_weights(get_tensor, kind: str, prefix: str, config, specs: dict, np_dtype) -> dict:
+    """One layer's declared weights ({name: array}, `specs` the kind's stacked Specs), each as `read_layer_weight`
+    reads it."""
+    return {name: read_layer_weight(get_tensor, kind, name, prefix, config, spec.shape[1:], np_dtype)
+            for name, spec in specs.items()}
 
 
 def _has(get_tensor, name: str) -> bool:
@@ -236,16 +250,20 @@ def hf_tensor_names(config) -> list[str]:
     return names
 
 
-def params_from_hf_tensors(config, get_tensor: Callable[[str], np.ndarray], dtype="float32") -> dict:
+def params_from_hf_tensors(config, get_tensor: Callable[[str], np.ndarray], dtype="float32",
+                           read_layer: Callable = read_layer_weights, quantization: str | None = None) -> dict:
     """The declared params (jnp arrays in `dtype`) from tensors fetched one at a time by HF name.
 
-    Tensors are converted one by one into preallocated host buffers of the target dtype, so peak host
-    memory is about the model in `dtype` plus one layer's source tensors. A missing tensor or a shape that
-    does not match `config` raises `CorruptModelFileError` naming the tensor.
+    Tensors are converted one by one into host buffers (allocated from the first layer of each kind), so peak
+    host memory is about the model in `dtype` plus one layer's source tensors. A missing tensor or a shape that
+    does not match `config` raises `CorruptModelFileError` naming the tensor. `read_layer` reads one layer's
+    weights (`read_layer_weights`' signature) against the schema of `quantization` (None: the model's dtype); a
+    checkpoint stored in FP8 passes its own (jaxspec.models.fp8_checkpoint), which keeps its e4m3 values.
     """
     from jaxspec.nn.decoder import Decoder
+    from jaxspec.nn.ops import Ops
     np_dtype = DTYPES[resolve_dtype(dtype)]
-    decoder = Decoder(config)
+    decoder = Decoder(config, Ops(quantization=quantization))
     schema = decoder.param_schema()
     params: dict = {"layers": {}}
     for key in ("embed", "final_norm", "lm_head"):
@@ -255,13 +273,20 @@ def params_from_hf_tensors(config, get_tensor: Callable[[str], np.ndarray], dtyp
                 value = plus_one(config, value).astype(np_dtype)
             params[key] = jax.device_put(value)
     index_in_kind: dict[str, int] = {}
-    stacked = {kind: {name: np.empty(spec.shape, np_dtype) for name, spec in specs.items()}
-               for kind, specs in schema["layers"].items()}
+    counts = {kind: decoder.layer_types.count(kind) for kind in decoder.kinds}
+    stacked: dict = {kind: {} for kind in schema["layers"]}
     for i, kind in enumerate(decoder.layer_types):
         j = index_in_kind.get(kind, 0)
         index_in_kind[kind] = j + 1
-        for name, buf in stacked[kind].items():
-            buf[j] = read_layer_weight(get_tensor, kind, name, f"model.layers.{i}.", config, buf.shape[1:], np_dtype)
+        prefix = f"model.layers.{i}."
+        for name, value in read_layer(get_tensor, kind, prefix, config, schema["layers"][kind], np_dtype).items():
+            if name not in stacked[kind]:
+                stacked[kind][name] = np.empty((counts[kind], *value.shape), value.dtype)
+            buf = stacked[kind][name]
+            if buf.shape[1:] != value.shape or buf.dtype != value.dtype:
+                raise CorruptModelFileError(f"{prefix}: {name} is {value.dtype}{list(value.shape)}, where the first "
+                                            f"layer of its kind gave {buf.dtype}{list(buf.shape[1:])}")
+            buf[j] = value
     for kind, bufs in stacked.items():   # to the device weight kind by weight kind, dropping each host buffer
         params["layers"][kind] = {name: jax.device_put(bufs.pop(name)) for name in list(bufs)}
     return params

@@ -9,7 +9,9 @@ position p, and predict the token at p+2:
            layer whose attention reads [attn_norm(embed(token)); hidden_norm(feature)] (2D wide) with the
            feature as residual; `norm`, then its own lm_head over a draft vocabulary mapped to target ids.
 Later proposals feed back the head's own output hidden (before `norm`) as the feature. The token embedding
-(and EAGLE-1's lm_head) are the target's: they come from the target's params, not the head's.
+(and EAGLE-1's lm_head) are the target's: they come from the target's params, not the head's. An engine serving
+in FP8 quantizes the head's projections (fc and its layers') as the target's; EAGLE-3's lm_head stays, as the
+target's does (`EagleHead.quantization`).
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from jaxspec.nn.decoder import Decoder
 from jaxspec.nn.kernels import LayerWeights
 from jaxspec.nn.layers import CacheShape, attention, attention_params, kv_state, mlp, mlp_params
 from jaxspec.nn.ops import ForwardBatch, Ops, rms_norm
+from jaxspec.nn.quant import quantized_schema
 from jaxspec.nn.schema import Spec
 
 
@@ -37,12 +40,21 @@ class EagleHead:
     fc_bias: bool = False     # EAGLE-1 checkpoints with a bias on fc
     final_norm: bool = False  # EAGLE-1 checkpoints with a `norm` before the target's lm_head
     draft_vocab_size: int = 0  # EAGLE-3
+    # "fp8": its params are quantized (jaxspec.nn.quant: the engine's quantization, at serving only; a head is
+    # loaded and trained in its own dtype)
+    quantization: str | None = None
 
     @property
     def aux_layers(self) -> tuple[int, ...]:
         return eagle3_aux_layers(self.target_config.num_layers) if self.method == "eagle3" else ()
 
     def param_schema(self) -> dict:
+        """Its params as declared; quantized (fc and the layers' projections e4m3, their scales beside them) when
+        `quantization` is set, as the params the engine quantized are: placement and sharding read this."""
+        schema = self._schema()
+        return quantized_schema(schema) if self.quantization is not None else schema
+
+    def _schema(self) -> dict:
         c, D = self.config, self.config.hidden_size
         if self.method == "eagle3":
             layer = {**attention_params(c, in_dim=2 * D), **mlp_params(c)}

@@ -22,6 +22,7 @@ from jaxspec.nn.decoder import Decoder
 from jaxspec.nn.kernels import LayerWeights
 from jaxspec.nn.layers import LAYER_KINDS, CacheShape, kv_state
 from jaxspec.nn.ops import ForwardBatch, Ops, rms_norm
+from jaxspec.nn.quant import quantized_schema
 from jaxspec.nn.schema import Spec
 
 MTP_LAYER_KIND = "gated_attention"
@@ -30,6 +31,7 @@ MTP_LAYER_KIND = "gated_attention"
 @dataclasses.dataclass(frozen=True)
 class MtpHead:
     config: object            # the target's ModelConfig: the MTP layer is one of its full-attention layers
+    quantization: str | None = None   # "fp8": its params are quantized (jaxspec.nn.quant; the engine's, at serving)
     method = "mtp"
     aux_layers = ()           # it reads the target's final hidden state only
 
@@ -38,13 +40,16 @@ class MtpHead:
         return self.config
 
     def param_schema(self) -> dict:
+        """Its params as declared; quantized (fc and the layer's projections, MoE experts included, e4m3 with their
+        scales) when `quantization` is set, as the params the engine quantized are."""
         D = self.config.hidden_size
         norm = Spec((D,), ("embed",), "ones")
         layer = LAYER_KINDS[MTP_LAYER_KIND].params(self.config)
-        return {"fc": Spec((D, 2 * D), ("embed", None)),
-                "pre_fc_norm_embedding": norm, "pre_fc_norm_hidden": norm,
-                "layers": {MTP_LAYER_KIND: {k: s.stacked(1) for k, s in layer.items()}},
-                "norm": norm}
+        schema = {"fc": Spec((D, 2 * D), ("embed", None)),
+                  "pre_fc_norm_embedding": norm, "pre_fc_norm_hidden": norm,
+                  "layers": {MTP_LAYER_KIND: {k: s.stacked(1) for k, s in layer.items()}},
+                  "norm": norm}
+        return quantized_schema(schema) if self.quantization is not None else schema
 
     def state_schema(self, cache: CacheShape) -> dict:
         """Its KV pools, one layer ([1, S, Hkv, hd] each), under the key the EAGLE drafter reads."""

@@ -217,17 +217,18 @@ class Ops:
         norm, eps: the rms_norm of x by the weight lp[norm] first (a layer's input norm). residual [..., N]: added
         after. A gate/up pair weight [F, 2, K] gives silu(gate) * up [..., F]. group_sizes i32[E]: x's rows are
         grouped by expert (the first group_sizes[0] rows go to expert 0, ...) and lp[name] holds the experts'
-        weights [E, K, N] (pairs [E, K, F, 2]): one grouped matmul. out_dtype: the product's dtype (float32
-        logits from bf16 weights); None: the operands'. The weight is named, not passed, so that a kernel can read the
-        whole stacked weight in place (`kernels.LayerWeights`).
+        weights [E, K, N] (pairs [E, K, F, 2]; FP8: scales [E, N] beside them): one grouped matmul. out_dtype: the
+        product's dtype (float32 logits from bf16 weights); None: the operands'. The weight is named, not passed, so
+        that a kernel can read the whole stacked weight in place (`kernels.LayerWeights`).
 
         Steps of at most GEMV_MAX_TOKENS tokens run the weights named in `gemv` as gemv kernels with the norm,
         SwiGLU and residual inside; everything else is XLA's dot, with the norm, SwiGLU and residual as XLA ops."""
         if (norm is None) != (eps is None):
             raise ValueError(f"norm={norm!r} and eps={eps!r}: an input norm needs both its weight's name and eps")
-        scale = lp.get(name + quant.SCALE)   # an FP8 weight's per-channel scales
+        scale = lp.get(name + quant.SCALE)   # an FP8 weight's per-channel scales (or block-wise: quant.is_blockwise)
+        blockwise = group_sizes is None and quant.is_blockwise(lp[name], scale)   # the kernels know per-channel only
         on_kernel = (name in self.gemv and group_sizes is None and out_dtype is None and x.ndim == 2
-                     and self.use_gemv(x.shape[0]))
+                     and self.use_gemv(x.shape[0]) and not blockwise)
         if on_kernel and (scale is None or self.fp8_gemv == "fused"):
             y = kernels.gemv_linear(x, lp, name, norm=norm, eps=eps, residual=residual)
             if y is not None:   # None: no kernel tiling divides this weight
@@ -237,13 +238,20 @@ class Ops:
             x = rms_norm(x, lp[norm], eps)
         if group_sizes is not None:
             pairs = w.ndim == 4
-            y = jax.lax.ragged_dot(x, w.reshape(*w.shape[:2], -1), group_sizes, preferred_element_type=out_dtype)
+            w = w.reshape(*w.shape[:2], -1)     # [E, K, N] (pairs: gate and up columns interleaved)
+            if scale is not None:   # FP8 experts: each expert's per-output-channel scales [E, N], W8A16
+                y = quant.fp8_ragged_dot(x, w, scale.reshape(w.shape[0], -1), group_sizes, out_dtype=out_dtype)
+            else:
+                y = jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=out_dtype)
         else:
             pairs = w.ndim == 3
             w = w.reshape(-1, w.shape[-1])      # pairs [F, 2, K]: gate and up rows interleaved, [2F, K]
             plain = on_kernel and scale is not None and self.fp8_gemv == "plain"
             y = kernels.gemv_matmul(x, lp, name) if plain else None   # None: no tiling fits, XLA's matmul
-            if y is None and scale is not None:
+            if y is None and blockwise:
+                y = quant.fp8_block_matmul(x, w, scale.reshape(-1, scale.shape[-1]), w8a8=self.uses_w8a8(x),
+                                           out_dtype=out_dtype)
+            elif y is None and scale is not None:
                 y = quant.fp8_matmul(x, w, scale.reshape(-1), w8a8=self.uses_w8a8(x), out_dtype=out_dtype)
             elif y is None:
                 y = x @ w.T if out_dtype is None else jnp.einsum("...k,nk->...n", x, w, preferred_element_type=out_dtype)

@@ -23,7 +23,7 @@ LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 WARMUP_MODES = ("auto", "tiered", "full", "fast", "none")
 
 # Weight quantization on load (jaxspec.nn.quant): "fp8" stores the layers' projections as float8 e4m3 with
-# per-output-channel scales, the target's and a draft model's.
+# per-output-channel scales, the target's and a draft model's or an EAGLE / EAGLE-3 / MTP head's.
 QUANTIZATION_SCHEMES = ("fp8",)
 
 

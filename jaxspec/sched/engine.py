@@ -64,6 +64,9 @@ class Engine:
         from jaxspec.spec import SpeculativeConfig, build_drafter
         t_start = time.perf_counter()
         config.validate()
+        if config.quantization is None and getattr(model, "quantization", None):
+            # a checkpoint stored quantized (FP8) runs as such, as vLLM takes the checkpoint's scheme
+            config = dataclasses.replace(config, quantization=model.quantization)
         self.model, self.config, self.tokenizer = model, config, model.tokenizer
         mc = model.config
         max_model_len = config.resolve_max_model_len(mc)
@@ -128,16 +131,20 @@ class Engine:
 
     @staticmethod
     def _quantize(scheme: str, model, drafter, drafter_params):
-        """The target's projections quantized (a model passed in already quantized is taken as it is), and a draft
-        model's; EAGLE, EAGLE-3 and MTP heads stay in the model's dtype (stats()["quantization"] says which)."""
+        """The target's projections quantized (a model passed in already quantized is taken as it is), and those of
+        a drafter with weights: a draft model's, an EAGLE, EAGLE-3 or MTP head's (fc and its layers'; an EAGLE-3 head's
+        lm_head stays, as the target's does). The drafter then declares quantized params (`param_schema`: placement,
+        sharding and the step's program specs read it). Heads are quantized here, at serving only: training
+        (jaxspec.train) builds unquantized heads. stats()["quantization"] says which weights are quantized."""
         from jaxspec.nn import quant
         if model.quantization is None:
             model = dataclasses.replace(model, params=quant.quantize_params(model.params), quantization=scheme)
         elif model.quantization != scheme:
             raise ValueError(f"quantization={scheme!r}, but the model passed in is quantized as {model.quantization!r}")
-        if drafter is not None and drafter.method == "draft_model":
+        if drafter_params is not None:   # n-gram has no weights
             drafter.quantization = scheme
-            drafter_params = quant.quantize_params(drafter_params)
+            if not quant.quantized_names(drafter_params):   # a draft model from an FP8 checkpoint is taken as it is
+                drafter_params = quant.quantize_params(drafter_params)
         return model, drafter, drafter_params
 
     def quantization_report(self) -> dict | None:
@@ -146,15 +153,17 @@ class Engine:
             return None
         from jaxspec.nn import quant
         ops, runner = self.runner.ops, self.runner
-        return {"scheme": self.config.quantization, "weights": "float8_e4m3fn, one float32 scale per output channel",
+        target = quant.quantized_names(runner.params)
+        drafter = quant.quantized_names(runner.drafter_params) if isinstance(runner.drafter_params, dict) else []
+        experts = any(".experts_" in name for name in target + drafter)
+        weights = (getattr(self.model, "quantization_detail", None)   # stored so by the checkpoint: its format, scales
+                   or "float8_e4m3fn, one float32 scale per output channel")
+        return {"scheme": self.config.quantization, "weights": weights,
                 "activations": ("W8A16 (weights converted inside the matmul)" if ops.w8a8_from_tokens is None else
-                                f"W8A16 below {ops.w8a8_from_tokens} tokens a step, W8A8 (per-token e4m3) from there"),
-                "target": quant.quantized_names(runner.params),
-                "drafter": quant.quantized_names(runner.drafter_params) if isinstance(runner.drafter_params, dict)
-                else [],
-                "kept": "embeddings, norms, biases, lm_head, routers, MoE experts"
-                        + ("" if runner.drafter is None or runner.drafter.method == "draft_model"
-                           else f", the {runner.drafter.method} head")}
+                                f"W8A16 below {ops.w8a8_from_tokens} tokens a step, W8A8 (per-token e4m3) from there")
+                + ("; MoE experts W8A16 at every size (a grouped matmul)" if experts else ""),
+                "target": target, "drafter": drafter,
+                "kept": "embeddings, norms, biases, lm_heads (the target's, an EAGLE-3 head's), routers and gates"}
 
     @property
     def requests(self) -> dict[str, Request]:

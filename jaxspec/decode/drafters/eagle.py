@@ -14,6 +14,7 @@ declared params and state: the MTP drafter (mtp.py) runs it with jaxspec.nn.mtp.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -36,6 +37,16 @@ class EagleDrafter:
     def __init__(self, head: EagleHead, draft_sampling: str):
         self.head, self.draft_sampling = head, draft_sampling
         self.method, self.config, self.aux_layers = head.method, head.config, head.aux_layers
+
+    @property
+    def quantization(self) -> str | None:
+        """The scheme the head's params are quantized in ("fp8"), or None; the engine sets it as it quantizes them,
+        so that the head declares the quantized params (`param_schema`) that placement and sharding read."""
+        return self.head.quantization
+
+    @quantization.setter
+    def quantization(self, scheme: str | None):
+        self.head = dataclasses.replace(self.head, quantization=scheme)
 
     def param_schema(self) -> dict:
         return self.head.param_schema()
