@@ -159,11 +159,23 @@ class Engine:
         weights = (getattr(self.model, "quantization_detail", None)   # stored so by the checkpoint: its format, scales
                    or "float8_e4m3fn, one float32 scale per output channel")
         return {"scheme": self.config.quantization, "weights": weights,
-                "activations": ("W8A16 (weights converted inside the matmul)" if ops.w8a8_from_tokens is None else
-                                f"W8A16 below {ops.w8a8_from_tokens} tokens a step, W8A8 (per-token e4m3) from there")
+                "activations": self._activation_scheme(ops)
                 + ("; MoE experts W8A16 at every size (a grouped matmul)" if experts else ""),
                 "target": target, "drafter": drafter,
                 "kept": "embeddings, norms, biases, lm_heads (the target's, an EAGLE-3 head's), routers and gates"}
+
+    @staticmethod
+    def _activation_scheme(ops) -> str:
+        """How a step of each size multiplies the FP8 weights: the gemv kernel converts them (W8A16) up to its token
+        limit; XLA's matmuls quantize the activations per token from w8a8_from_tokens (W8A8), convert below."""
+        from jaxspec.nn.ops import GEMV_MAX_TOKENS_FP8
+        xla = ("W8A16 (weights converted inside the matmul)" if ops.w8a8_from_tokens is None else
+               "W8A8 (activations quantized per token to e4m3)" if ops.w8a8_from_tokens <= 1 else
+               f"W8A16 below {ops.w8a8_from_tokens} tokens a step, W8A8 (per-token e4m3) from there")
+        if not ops.gemv or ops.tp is not None:
+            return xla
+        return (f"steps of up to {GEMV_MAX_TOKENS_FP8} tokens: the gemv kernel over e4m3 tiles (W8A16) for "
+                f"{', '.join(sorted(ops.gemv))}; larger steps: {xla}")
 
     @property
     def requests(self) -> dict[str, Request]:
