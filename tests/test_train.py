@@ -4,6 +4,7 @@ lossless, reloads the same from its HF layout and its orbax checkpoint, and a re
 curve. The target is a small random model with SmolLM2's tokenizer and vocabulary: SmolLM2-135M itself costs
 ~1 s per training step and ~3 s per target pass of 4 x 128 tokens on this CPU, too slow for
 the suite's budget."""
+import dataclasses
 import json
 
 import jax
@@ -14,7 +15,8 @@ from conftest import random_model
 from jaxspec import LLM, SamplingParams
 from jaxspec.train import TrainConfig, load_sharegpt, regenerate, render, save_regenerated, train, train_eagle3
 from jaxspec.decode.drafters.eagle import load_eagle_head
-from jaxspec.train.eagle3 import draft_vocabulary, estimated_acceptance_length, init_head, save_head
+from jaxspec.nn.eagle import EagleHead
+from jaxspec.train.eagle3 import draft_vocabulary, estimated_acceptance_length, head_config, init_head, save_head
 
 SEQ_LEN, STEPS = 112, 160
 CONFIG = dict(batch_size=4, draft_vocab_size=1024, ttt_steps=3, warmup_steps=10, learning_rate=3e-3,
@@ -300,3 +302,16 @@ def test_one_bf16_training_step_runs_and_matches_float32(tmp_path):
         after = np.asarray(trained[path[0].key] if len(path) == 1 else
                            trained[path[0].key][path[1].key][path[2].key])
         assert not np.allclose(after, np.asarray(before)), f"{jax.tree_util.keystr(path)} did not move"
+
+
+def test_a_saved_head_keeps_its_targets_rope_scaling(target, tmp_path):
+    """A head trained for a target with llama3 rope scaling (Llama-3.1) is written with the scaling's type, so that
+    it loads back with the same rotary embedding (the loader refuses a scaling whose type it cannot tell)."""
+    llama3 = (("factor", 8.0), ("high_freq_factor", 4.0), ("low_freq_factor", 1.0),
+              ("original_max_position_embeddings", 64))
+    tc = dataclasses.replace(target.config, rope_scaling=llama3)
+    d2t = np.arange(64)
+    head = EagleHead("eagle3", head_config(tc), tc, draft_vocab_size=len(d2t))
+    save_head(tmp_path, head, init_head(head, target.params, d2t, seed=0), d2t)
+    loaded, _ = load_eagle_head(tmp_path, tc, "float32")
+    assert loaded.config.rope_scaling == llama3

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from jaxspec.models.errors import UnsupportedModelError
 from jaxspec.models.fp8_checkpoint import checkpoint_format, quantization_config_of
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_next", "qwen3_5")
@@ -21,6 +22,21 @@ _HF_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistra
                    "qwen3_5_moe_text": "qwen3_5", "qwen3_5_moe": "qwen3_5"}
 # HF `layer_types` entries of the hybrids -> jaxspec layer kinds (jaxspec.nn.layers.LAYER_KINDS).
 _HF_LAYER_KINDS = {"linear_attention": "gated_deltanet", "full_attention": "gated_attention"}
+
+# What a config may ask for, where jaxspec does not implement everything transformers does: anything else is refused
+# at load (`_refuse_unimplemented`), naming the field, never run as something else.
+# Rope scaling types the rotary code implements (jaxspec.nn.ops.rope_inv_freq; "default": plain rope). The hybrids'
+# partial rotary (jaxspec.nn.layers.partial_rope) implements none.
+ROPE_TYPES = ("default", "llama3")
+_LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+# Keys of a rope dict that name no scaling (a dict of only these, without a type, is plain rope). mrope_*: Qwen3.5's
+# multimodal sections, the same rotation for text (every section gets the same position).
+_PLAIN_ROPE_KEYS = {"rope_type", "type", "rope_theta", "partial_rotary_factor", "mrope_section", "mrope_interleaved"}
+# The MLP activations jaxspec computes: SwiGLU, silu(gate) * up (transformers' ACT2FN: "swish" is SiLU too).
+HIDDEN_ACTS = ("silu", "swish")
+# model_types whose transformers model adds the q/k/v/o projection biases when attention_bias is true, as the hybrids
+# do (Qwen2's q/k/v biases are unconditional and implemented; transformers' Mistral has none whatever the config says).
+_ATTENTION_BIAS_TYPES = ("llama", "qwen3")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,7 +123,9 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
-        """Build from a HF config.json dict; a missing required field raises a ValueError naming it."""
+        """Build from a HF config.json dict; a missing required field raises a ValueError naming it, and a field
+        asking for something jaxspec does not implement (a sliding window that bites, a rope scaling type other than
+        llama3, biases it would ignore, soft-capping, ...: `_refuse_unimplemented`) an UnsupportedModelError."""
         quantized = quantization_config_of(hf)
         if quantized:   # its tensors are not all the weights themselves: an FP8 format it names, or refused
             checkpoint_format(quantized)
@@ -132,25 +150,12 @@ class ModelConfig:
         head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
-        rope_scaling = hf.get("rope_scaling") or None
-        if rope_scaling is None and isinstance(hf.get("rope_parameters"), dict):
-            rp = hf["rope_parameters"]
-            if rp.get("rope_type", "default") != "default":
-                rope_scaling = rp
+        arch = _HF_MODEL_TYPES[model_type]
+        _refuse_unimplemented(hf, model_type, arch)
+        rope_scaling = _rope_scaling(hf, arch)
         rope_theta = hf.get("rope_theta")
         if rope_theta is None and isinstance(hf.get("rope_parameters"), dict):
             rope_theta = hf["rope_parameters"].get("rope_theta")
-        if rope_scaling is not None:
-            kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
-            if kind in (None, "default"):
-                rope_scaling = None
-            elif kind != "llama3":
-                raise ValueError(f"unsupported rope scaling type {kind!r}; supported: llama3")
-            else:
-                rope_scaling = tuple(sorted((k, v) for k, v in rope_scaling.items()
-                                            if k in ("factor", "low_freq_factor", "high_freq_factor",
-                                                     "original_max_position_embeddings")))
-        arch = _HF_MODEL_TYPES[model_type]
         extra: dict[str, Any] = {}
         if arch in HYBRID_ARCHITECTURES:
             extra = _hybrid_fields(hf, arch)
@@ -191,10 +196,6 @@ def _hybrid_fields(hf: dict[str, Any], arch: str) -> dict[str, Any]:
         linear_num_key_heads=hf["linear_num_key_heads"], linear_num_value_heads=hf["linear_num_value_heads"],
         linear_key_head_dim=hf["linear_key_head_dim"], linear_value_head_dim=hf["linear_value_head_dim"],
         linear_conv_kernel_dim=hf.get("linear_conv_kernel_dim", 4))
-    if hf.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"unsupported hidden_act {hf['hidden_act']!r}; supported: silu")
-    if hf.get("attention_bias"):
-        raise ValueError("attention_bias=True is not supported for hybrid models")
     if hf.get("num_experts", 0):
         sparse_step = hf.get("decoder_sparse_step", 1)
         if hf.get("mlp_only_layers") or sparse_step != 1:
@@ -205,3 +206,97 @@ def _hybrid_fields(hf: dict[str, Any], arch: str) -> dict[str, Any]:
                       norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
                       shared_expert_intermediate_size=hf.get("shared_expert_intermediate_size", 0))
     return fields
+
+
+def _rope_scaling(hf: dict[str, Any], arch: str) -> tuple | None:
+    """The config's rope scaling as ModelConfig.rope_scaling (None: plain rope); a type jaxspec does not implement
+    (yarn, dynamic, linear, longrope, ...) is refused, naming it."""
+    field, scaling = "rope_scaling", hf.get("rope_scaling") or None
+    if scaling is None and isinstance(hf.get("rope_parameters"), dict):   # transformers >= 5 spelling
+        field, scaling = "rope_parameters", hf["rope_parameters"]
+    if scaling is None:
+        return None
+    if not isinstance(scaling, dict):
+        raise UnsupportedModelError(f"{field}={scaling!r} is not a dict; expected null or a dict with a rope_type "
+                                    f"(supported: {', '.join(ROPE_TYPES)})")
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind is None:   # no type: plain rope only if it names nothing that scales (a bare factor would be ignored)
+        scales = sorted(set(scaling) - _PLAIN_ROPE_KEYS)
+        if scales:
+            raise UnsupportedModelError(f"{field}={scaling!r} names no rope_type but sets {', '.join(scales)}; "
+                                        f"supported: no scaling, or rope_type in {', '.join(ROPE_TYPES)}")
+        kind = "default"
+    if kind not in ROPE_TYPES:
+        raise UnsupportedModelError(f"unsupported rope scaling type {kind!r} ({field}={scaling!r}); supported: "
+                                    f"{', '.join(ROPE_TYPES)}")
+    if kind == "default":
+        return None
+    if arch in HYBRID_ARCHITECTURES:
+        raise UnsupportedModelError(f"{field} type {kind!r} is not supported for {arch} (its partial rotary applies "
+                                    "no rope scaling); supported: rope_type 'default'")
+    missing = [k for k in _LLAMA3_ROPE_KEYS if k not in scaling]
+    if missing:
+        raise UnsupportedModelError(f"{field} type 'llama3' lacks {', '.join(missing)}; it needs "
+                                    f"{', '.join(_LLAMA3_ROPE_KEYS)}")
+    return tuple(sorted((k, scaling[k]) for k in _LLAMA3_ROPE_KEYS))
+
+
+def _refuse_unimplemented(hf: dict[str, Any], model_type: str, arch: str) -> None:
+    """UnsupportedModelError naming the field (its value, and what is supported) when the config asks for something
+    transformers would apply and jaxspec does not implement, rather than run the model as something else."""
+    act = hf.get("hidden_act", "silu")
+    if act not in HIDDEN_ACTS:
+        raise UnsupportedModelError(f"unsupported hidden_act {act!r}; supported: {', '.join(HIDDEN_ACTS)} "
+                                    "(the MLP is SwiGLU)")
+    if hf.get("attention_bias") and (model_type in _ATTENTION_BIAS_TYPES or arch in HYBRID_ARCHITECTURES):
+        raise UnsupportedModelError(f"attention_bias=true is not supported for model_type={model_type!r} (its q/k/v/o "
+                                    "projection biases would be ignored); supported: attention_bias false")
+    if hf.get("mlp_bias") and model_type == "llama":
+        raise UnsupportedModelError("mlp_bias=true is not supported (the gate/up/down projection biases would be "
+                                    "ignored); supported: mlp_bias false")
+    for field in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if hf.get(field) is not None:
+            raise UnsupportedModelError(f"{field}={hf[field]!r} is not supported (logit soft-capping is not "
+                                        f"implemented); supported: {field} null")
+    if arch not in HYBRID_ARCHITECTURES:   # the hybrids' partial rotary: ModelConfig.partial_rotary_factor
+        rope = [hf] + [hf[k] for k in ("rope_scaling", "rope_parameters") if isinstance(hf.get(k), dict)]
+        factor = next((d["partial_rotary_factor"] for d in rope if d.get("partial_rotary_factor") is not None), 1.0)
+        if float(factor) != 1.0:
+            raise UnsupportedModelError(f"partial_rotary_factor={factor!r} is not supported for "
+                                        f"model_type={model_type!r} (rotary covers the whole head); supported: 1.0")
+        _refuse_sliding_window(hf, model_type)
+
+
+def _refuse_sliding_window(hf: dict[str, Any], model_type: str) -> None:
+    """Refuse a sliding window that can bite: jaxspec attends over the whole context. transformers' rules:
+    Mistral applies `sliding_window` (absent: its default 4096) to every layer; Qwen2/Qwen3 only when
+    `use_sliding_window` is true, and then to the layers `layer_types` marks "sliding_attention" (absent: layers
+    i >= `max_window_layers`, default 28); Llama applies none (a `sliding_window` key is ignored there too, unless
+    `layer_types` marks sliding layers). A window of at least max_position_embeddings never bites: the engine caps
+    max_model_len at max_position_embeddings (jaxspec.sched.config), so no query is that far from a key."""
+    n = hf["num_hidden_layers"]
+    max_pos = hf.get("max_position_embeddings", 4096)
+    types = hf.get("layer_types")
+    if types is not None:
+        unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
+        if unknown:
+            raise UnsupportedModelError(f"unsupported layer_types {unknown} for model_type={model_type!r}; supported: "
+                                        "full_attention (sliding_attention only with a window that never bites)")
+    marked = [i for i, t in enumerate(types or ()) if t == "sliding_attention"]
+    if model_type == "mistral":
+        window, sliding, rule = hf.get("sliding_window", 4096), list(range(n)), "Mistral: all layers"
+    elif model_type in ("qwen2", "qwen3"):
+        window = hf.get("sliding_window", 4096) if hf.get("use_sliding_window", False) else None
+        sliding = marked if types is not None else list(range(hf.get("max_window_layers", 28) or 0, n))
+        rule = "use_sliding_window=true"
+    else:
+        window, sliding, rule = hf.get("sliding_window"), marked, "layer_types marks them sliding_attention"
+    if window is None or window >= max_pos or not sliding:
+        return
+    layers = f"layers {sliding[0]}..{sliding[-1]}" if sliding == list(range(sliding[0], sliding[-1] + 1)) else \
+        f"layers {sliding}"
+    raise UnsupportedModelError(
+        f"sliding_window={window} is not supported for model_type={model_type!r}: it applies to {layers} ({rule}) and "
+        f"jaxspec attends over the whole context, so the model would decode wrongly past {window} tokens; supported: "
+        f"sliding_window null" + (" or use_sliding_window false" if model_type in ("qwen2", "qwen3") else "")
+        + f", or a window of at least max_position_embeddings={max_pos}")

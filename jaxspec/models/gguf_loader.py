@@ -23,7 +23,7 @@ from jaxspec.models import dequant
 from jaxspec.models.config import ARCHITECTURES, ModelConfig
 from jaxspec.models.errors import CorruptModelFileError, UnsupportedModelError
 from jaxspec.models.model import Model
-from jaxspec.models.weights import DTYPES, params_from_hf_tensors, resolve_dtype
+from jaxspec.models.weights import DTYPES, hf_tensor_names, params_from_hf_tensors, resolve_dtype
 
 Q = gguf.GGMLQuantizationType
 SUPPORTED_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)
@@ -42,6 +42,8 @@ _BLOCK_NAMES = {
     "ffn_down.weight": "mlp.down_proj.weight",
 }
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(.+)")
+# Block tensors that change the output when present (a bias, attention sinks, a norm): refused when unread.
+_MUST_BE_READ = re.compile(r".*(\.bias|sinks(\.weight)?|norm\.weight)")
 
 
 def hf_name(gguf_name: str) -> str | None:
@@ -283,7 +285,8 @@ def config_from_gguf(reader) -> ModelConfig:
     if n_tokens is not None and n_tokens > vocab_size:
         raise CorruptModelFileError(f"GGUF token list has {n_tokens} entries but token_embd has {vocab_size} rows")
     eos = metadata(reader, "tokenizer.ggml.eos_token_id")
-    return ModelConfig(
+    refuse_unimplemented_gguf(reader, arch, head_dim)
+    config = ModelConfig(
         arch=arch,
         vocab_size=vocab_size,
         hidden_size=hidden,
@@ -300,6 +303,50 @@ def config_from_gguf(reader) -> ModelConfig:
         eos_token_ids=(int(eos),) if eos is not None else (),
         rope_freq_factors=rope_freq_factors_from_gguf(reader, arch, head_dim),
     )
+    refuse_unread_tensors(reader, config)
+    return config
+
+
+def refuse_unimplemented_gguf(reader, arch: str, head_dim: int) -> None:
+    """UnsupportedModelError naming the metadata key (its value, and what is supported) when the GGUF asks for
+    something llama.cpp applies and jaxspec does not implement, rather than run the model as something else."""
+    context = int(metadata(reader, f"{arch}.context_length", 4096))
+    key = f"{arch}.attention.sliding_window"
+    window = metadata(reader, key)
+    pattern = metadata(reader, f"{arch}.attention.sliding_window_pattern")   # per layer: sliding or not
+    no_sliding_layer = isinstance(pattern, list) and not any(pattern)
+    # 0: no window (llama.cpp's converter writes 0 to disable it). A window of at least context_length never bites:
+    # the engine caps max_model_len at it (jaxspec.sched.config), so no query is that far from a key.
+    if window and int(window) < context and not no_sliding_layer:
+        raise UnsupportedModelError(
+            f"GGUF {key}={window} is not supported: jaxspec attends over the whole context, so the model would "
+            f"decode wrongly past {window} tokens; supported: no {key}, 0, or at least {arch}.context_length={context}")
+    for key in (f"{arch}.attn_logit_softcapping", f"{arch}.final_logit_softcapping"):
+        if metadata(reader, key):
+            raise UnsupportedModelError(f"GGUF {key}={metadata(reader, key)} is not supported (logit soft-capping "
+                                        "is not implemented); supported: no such key")
+    experts = metadata(reader, f"{arch}.expert_count")
+    if experts:
+        raise UnsupportedModelError(f"GGUF {arch}.expert_count={experts} (a mixture of experts) is not supported for "
+                                    f"GGUF {arch}; supported: dense models (no {arch}.expert_count, or 0)")
+    rotary = metadata(reader, f"{arch}.rope.dimension_count")
+    if rotary is not None and int(rotary) != head_dim:
+        raise UnsupportedModelError(f"GGUF {arch}.rope.dimension_count={rotary} (partial rotary) is not supported; "
+                                    f"supported: the head dimension, {head_dim}")
+
+
+def refuse_unread_tensors(reader, config: ModelConfig) -> None:
+    """UnsupportedModelError naming the first block tensor (a bias, attention sinks, a norm) that jaxspec's model for
+    `config` would not read: e.g. llama attn_q.bias or attn_output.bias. Loading without it would run another model."""
+    read = set(hf_tensor_names(config))
+    for t in reader.tensors:
+        m = _BLOCK_RE.fullmatch(t.name)
+        if m and _MUST_BE_READ.fullmatch(m.group(2)) and hf_name(t.name) not in read:
+            used = sorted(g for g, h in _BLOCK_NAMES.items() if f"model.layers.{m.group(1)}.{h}" in read
+                          and _MUST_BE_READ.fullmatch(g))
+            raise UnsupportedModelError(f"GGUF tensor {t.name!r} is not used by jaxspec's {config.arch} model (it "
+                                        f"would be ignored); supported: a block's biases and norms among "
+                                        f"{', '.join(used)}")
 
 
 def rope_freq_factors_from_gguf(reader, arch: str, head_dim: int) -> tuple[float, ...] | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from pathlib import Path
 
 import ml_dtypes
@@ -11,14 +12,18 @@ import numpy as np
 from safetensors import safe_open
 
 from jaxspec.models.config import ModelConfig
-from jaxspec.models.errors import CorruptModelFileError
+from jaxspec.models.errors import CorruptModelFileError, UnsupportedModelError
 from jaxspec.models.fp8_checkpoint import checkpoint_format, load_fp8_params, quantization_config_of
 from jaxspec.models.model import Model
-from jaxspec.models.weights import params_from_hf_tensors, resolve_dtype
+from jaxspec.models.weights import hf_tensor_names, params_from_hf_tensors, resolve_dtype
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 _RAW_DTYPES = {"BF16": ml_dtypes.bfloat16, "F16": np.float16, "F32": np.float32, "F8_E4M3": ml_dtypes.float8_e4m3fn}
 _NOT_IN_NUMPY = ("BF16", "F8_E4M3")   # dtypes safetensors' numpy backend cannot give
+# Layer tensors that change the output when present: a bias, attention sinks (GPT-OSS), a norm. One of these that
+# the config's model does not read is refused (`refuse_unread_tensors`) rather than dropped.
+_LAYER_TENSOR = re.compile(r"model\.(?:language_model\.)?layers\.(\d+)\.(.+)")
+_MUST_BE_READ = re.compile(r".*(\.bias|sinks|norm\.weight)")
 
 
 def read_hf_json(path: str | os.PathLike) -> dict:
@@ -106,6 +111,21 @@ def _read_raw(file: Path, name: str) -> np.ndarray:
     return np.frombuffer(data, _RAW_DTYPES[info["dtype"]]).reshape(info["shape"])
 
 
+def refuse_unread_tensors(config: ModelConfig, names) -> None:
+    """UnsupportedModelError naming the first layer tensor among `names` (a bias, attention sinks, a norm) that
+    jaxspec's model for `config` would not read: e.g. Llama q/k/v/o biases (its config lacking attention_bias), an
+    o_proj bias, GPT-OSS's self_attn.sinks. Loading without it would run another model."""
+    read = set(hf_tensor_names(config))
+    used = {m.group(2) for m in map(_LAYER_TENSOR.fullmatch, read) if m and _MUST_BE_READ.fullmatch(m.group(2))}
+    for name in sorted(names):
+        m = _LAYER_TENSOR.fullmatch(name)
+        if m and _MUST_BE_READ.fullmatch(m.group(2)) and f"model.layers.{m.group(1)}.{m.group(2)}" not in read:
+            raise UnsupportedModelError(
+                f"the checkpoint has tensor {name!r}, which jaxspec's {config.arch} model for this config does not "
+                f"use (it would be ignored); supported: a layer's biases and norms among "
+                f"{', '.join(sorted(used)) or 'none'}")
+
+
 def load_tokenizer_dir(path: str | os.PathLike):
     """A jaxspec Tokenizer from the tokenizer files in `path`, or None when there are none."""
     path = Path(path)
@@ -128,6 +148,7 @@ def load_hf_dir(path: str | os.PathLike, dtype="bfloat16") -> Model:
     config = read_config(path)
     quantized = quantization_config_of(read_hf_json(path))   # checked by read_config: an FP8 format
     tensors = SafetensorsDir(path)
+    refuse_unread_tensors(config, tensors.file_of)
     get_tensor = tensors.get_raw if quantized else tensors.get_tensor
     if "model.language_model.embed_tokens.weight" in tensors:
         # a vision-language checkpoint (Qwen3.5): the text model's tensors are under model.language_model.*

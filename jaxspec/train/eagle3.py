@@ -423,8 +423,8 @@ def save_head(path, head: EagleHead, params: dict, d2t: np.ndarray) -> Path:
               "torch_dtype": "float32"}
     # No eagle_aux_hidden_state_layer_ids: vLLM reads those ids as "the output of layer id-1" and SGLang as "the
     # output of layer id", so any value is wrong in one of them; both default to the layers this head reads.
-    if c.rope_scaling_dict:
-        config["rope_scaling"] = c.rope_scaling_dict
+    if c.rope_scaling_dict:   # llama3's, the one scaling ModelConfig holds: its type named, as the loaders require
+        config["rope_scaling"] = {"rope_type": "llama3", **c.rope_scaling_dict}
     tmp = path / "model.safetensors.tmp"
     save_file(tensors, str(tmp))
     tmp.replace(path / "model.safetensors")
