@@ -77,6 +77,110 @@ def test_chooser_sees_a_step_two_steps_later_and_measures_times():
     assert c.times[(0, 8)] == pytest.approx(0.75 + 0.25 * adaptive.OUTLIER)
 
 
+# ---- bucket edges (issue #37): vLLM's batch-size k table fell from 232 to 24-157 tokens/s past a threshold -------
+
+EDGE_BUCKETS = [8, 16, 32, 64, 128, 256, 512]
+# A GPU's step: flat within a token bucket, a jump at each edge (memory-bound up to 64 tokens, then compute-bound:
+# twice the tokens, twice the time), plus a draft forward per drafted position.
+EDGE_BASE = {8: 10.0, 16: 10.4, 32: 11.2, 64: 12.8, 128: 24.0, 256: 48.0, 512: 96.0}
+
+
+def edge_bucket(n: int) -> int:
+    return next(b for b in EDGE_BUCKETS if b >= n)
+
+
+def edge_time(k: int, T: int) -> float:
+    return EDGE_BASE[T] + 0.6 * k
+
+
+def edge_rate(B: int, k: int, alpha: float, budget: int) -> float:
+    """Expected tokens/s of B decoding rows at k drafts each, chain acceptance alpha at every position: the rows
+    that fit the budget, each emitting 1 + alpha + ... + alpha^k tokens, in the step time of their bucket."""
+    rows = min(B, budget // (1 + k))
+    return rows * sum(alpha ** j for j in range(k + 1)) / edge_time(k, edge_bucket(rows * (1 + k)))
+
+
+def chain_rows(k: int, p: int, q: int) -> list[tuple[int, int]]:
+    """(k, accepted) rows of k drafts at chain acceptance exactly p/q: q^k rows, p^j (q-p) q^(k-j-1) of them
+    accepting j < k, p^k accepting all k."""
+    counts = [p ** j * (q - p) * q ** (k - j - 1) for j in range(k)] + [p ** k]
+    return [(k, j) for j, n in enumerate(counts) for _ in range(n)]
+
+
+def check_sweep(batches, chosen, alpha, K, budget):
+    """The chosen k's expected rate at each batch is the best k's (its estimates are the true ones to ~1e-4) and
+    never below plain decoding's; from one batch to the next it falls no more than the best rate does."""
+    prev = None
+    for B, k in zip(batches, chosen):
+        rates = [edge_rate(B, j, alpha, budget) for j in range(K + 1)]
+        got, best = rates[k], max(rates)
+        assert got >= rates[0] * (1 - 1e-9), f"batch {B}: k={k} loses to plain decoding, {got:.4f} < {rates[0]:.4f}"
+        assert got >= best * (1 - 1e-3), f"batch {B}: k={k} gives {got:.4f}, k={rates.index(best)} {best:.4f}"
+        if prev is not None:   # no collapse: a drop only as large as the optimum's own
+            assert got / prev[0] >= best / prev[1] * (1 - 1e-3), f"batch {prev[2]} -> {B}"
+        prev = (got, best, B)
+
+
+@pytest.mark.parametrize("p,q", [(4, 5), (1, 2)])
+def test_chosen_rate_never_drops_across_bucket_edges(p, q):
+    """Fixed step times per (draft width, token bucket), chain acceptance p/q observed through `observe`: the
+    batch swept over every size 1..64 (rows*(1+k) crosses each edge at a different batch for each k) up, down and
+    up again, the k chosen at each batch (its first choice there) is the best one and never below k = 0."""
+    K, budget, alpha = 4, 512, p / q
+    c = KChooser(K, budget, edge_bucket)
+    c.time_model = edge_time
+    for s in range(20):
+        c.observe(s, chain_rows(K, p, q), (K, 8, None))
+    step, k = 20, K
+    batches = [*range(1, 65), *range(64, 0, -1), *range(1, 65)]
+    chosen = []
+    for B in batches:
+        # what the engine reports of step `step`: its rows verified the k chosen before it
+        c.observe(step, chain_rows(k, p, q) if k else [], (k, edge_bucket(B * (1 + k)), None))
+        k = c.choose(step, B)
+        chosen.append(k)
+        step += 1
+    assert np.allclose(c.acceptance(), alpha, atol=1e-3)
+    check_sweep(batches, chosen, alpha, K, budget)
+    assert len(set(chosen)) >= 3   # the sweep does move k (speculation pays at small batches, not at large ones)
+
+
+def test_measured_times_settle_on_the_best_k_across_bucket_edges():
+    """No time model: the step times are measured as the engine measures them (each step: its draft width, the
+    bucket of the drafts it verifies, its time from the fixed table), so each new (k, bucket) a batch reaches is
+    explored first. After a few steps at each batch of the sweep the choice is the best k's."""
+    K, budget, (p, q) = 3, 512, (4, 5)
+    c = KChooser(K, budget, edge_bucket)
+    prev_k, step, batches, chosen = K, 0, [*range(1, 65), *range(64, 0, -1)], []
+    for B in batches:
+        for _ in range(12):
+            k = c.choose(step, B)
+            width, T = max(k, prev_k), edge_bucket(B * (1 + prev_k))
+            c.observe(step, chain_rows(prev_k, p, q) if prev_k else [], (width, T, edge_time(width, T)))
+            prev_k, step = k, step + 1
+        chosen.append(k)
+    check_sweep(batches, chosen, p / q, K, budget)
+
+
+def test_a_held_k_never_loses_to_plain_decoding():
+    """MARGIN keeps the current k against a slightly better one (noise), but never against plain decoding: as
+    the acceptance estimate drifts from 0.3 to 0.23, k = 1 (1 + a tokens in 1.25) is given up for k = 0 the step
+    its estimated rate falls below plain decoding's, not 3% later."""
+    c = KChooser(1, 64, edge_bucket)
+    c.time_model = lambda k, T: 1 + 0.25 * k
+    for s in range(10):
+        c.observe(s, chain_rows(1, 3, 10), (1, 8, None))
+    k, chosen = c.choose(10, 1), []
+    assert k == 1
+    for s in range(11, 300):
+        c.observe(s, chain_rows(k, 23, 100) if k else [], (k, 8, None))
+        k = c.choose(s, 1)
+        chosen.append(k)
+        if (1 + c.acceptance()[0]) / 1.25 < 1:
+            assert k == 0, f"step {s}: a = {c.acceptance()[0]:.4f}"
+    assert chosen[-1] == 0 and 1 in chosen
+
+
 def test_adaptive_is_validated():
     from jaxspec.spec import SpeculativeConfig
     with pytest.raises(ValueError, match="adaptive"):

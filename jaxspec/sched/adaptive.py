@@ -37,7 +37,11 @@ TIME_EMA = 0.25           # weight of a new step-time measurement
 OUTLIER = 3.0             # a measurement counts as at most this many times the average
 EXPLORE_STEPS = 3         # steps an unmeasured (k, bucket) is kept to measure it (exploring)
 EXPLORE_ATTEMPTS = 2      # explorations of a pair that stays unmeasured (its steps compiled) before giving up
-MARGIN = 0.03             # another k must promise this much more throughput to replace the current one
+# Another k must promise this much more throughput to replace the current one: damping for the noise of measured
+# times and running estimates, nothing else. So it holds only while no k's token bucket (nor its share of the rows
+# under the budget) changed since the last choice (crossing a bucket edge changes the rates for real, and the
+# choice is made afresh), and never holds a k that plain decoding (k = 0) beats: adaptive k never loses to it.
+MARGIN = 0.03
 
 
 class KChooser:
@@ -56,6 +60,7 @@ class KChooser:
         self._pending: collections.deque = collections.deque()   # (step, kind, payload), in step order
         self._explore: tuple[int, int, int] | None = None   # (k, T, last step) of the pair being measured
         self._attempts: collections.Counter = collections.Counter()   # explorations per (k, T)
+        self._shape: tuple | None = None   # (k, T, share of the rows) per k at the last choice (see MARGIN)
 
     # ---- observations --------------------------------------------------------------------------------
     def observe(self, step: int, drafted_accepted: list[tuple[int, int]], time: tuple[int, int, float | None]):
@@ -106,7 +111,7 @@ class KChooser:
                 return k
             self._explore = None
         a = self.acceptance()
-        rates, unmeasured = {}, []
+        rates, unmeasured, shape = {}, [], []
         for k in range(self.K + 1):
             rows = min(num_rows, self.budget // (1 + k))
             if rows == 0:
@@ -120,18 +125,21 @@ class KChooser:
                     unmeasured.append((k, T))
                 continue
             rates[k] = rows * self.expected_tokens(k, a) / max(t, 1e-9)
+            shape.append((k, T, rows / num_rows))
         if unmeasured:
             # Measure it: the step proposing k may be wider (it verifies the drafts proposed before it); the
             # next one, proposing k again, is a step of width k, and its time is folded in two steps later.
             k, T = unmeasured[0]
             self._attempts[(k, T)] += 1
             self._explore = (k, T, step + EXPLORE_STEPS)
-            self.current = k
+            self.current, self._shape = k, None
             return k
         if not rates:
             return self.current
         best = max(rates, key=rates.get)
-        if self.current in rates and rates[best] <= rates[self.current] * (1 + MARGIN):
+        same, self._shape = tuple(shape) == self._shape, tuple(shape)
+        held = rates.get(self.current, 0.0)
+        if same and held >= rates.get(0, 0.0) and rates[best] <= held * (1 + MARGIN):
             return self.current
         self.current = best
         return best
