@@ -64,7 +64,7 @@ def train_eagle3(model, out_dir, *, num_conversations: int = 2000, steps: int = 
         if save_regenerated_to:
             save_regenerated(conversations, save_regenerated_to)
             return None
-    examples = render(target.tokenizer, conversations, seq_len)
+    examples = render(target.tokenizer, conversations, seq_len, progress=progress)
     num_held_out = min(num_held_out, len(examples) // 5)
     training, held_out = examples.split(num_held_out)
     config = TrainConfig(steps=steps, batch_size=batch_size, learning_rate=learning_rate, warmup_steps=warmup_steps,

@@ -92,10 +92,13 @@ def load_sharegpt(num_conversations: int, path: str | None = None, skip: int = 0
     return out
 
 
-def render(tokenizer, conversations: list[list[dict]], seq_len: int, min_target_tokens: int = 4) -> Examples:
+def render(tokenizer, conversations: list[list[dict]], seq_len: int, min_target_tokens: int = 4,
+           progress: bool = False) -> Examples:
     """Each conversation rendered by the tokenizer's chat template, cut to `seq_len` tokens; the mask marks the
     tokens of the assistant's answers. An answer's tokens are found by rendering the chat up to it (with the
-    generation prompt) and up to its end: what the second adds to the first."""
+    generation prompt) and up to its end: what the second adds to the first. `progress`: a bar per conversation
+    (thousands of templates take minutes)."""
+    from tqdm.auto import tqdm
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise ValueError("the target model has no chat template: EAGLE training renders conversations with it; "
                          "load a model whose tokenizer has one (an instruct/chat model)")
@@ -108,7 +111,7 @@ def render(tokenizer, conversations: list[list[dict]], seq_len: int, min_target_
         return tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt))
 
     rows_ids, rows_mask = [], []
-    for messages in conversations:
+    for messages in tqdm(conversations, desc="rendering conversations", disable=not progress, unit="conv"):
         ids: list[int] = []
         mask: list[float] = []
         for i, m in enumerate(messages):

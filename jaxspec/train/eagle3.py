@@ -54,15 +54,23 @@ def draft_vocabulary(tokens: np.ndarray, weights: np.ndarray, vocab_size: int, s
     return np.sort(np.argsort(-counts, kind="stable")[:size]).astype(np.int32)
 
 
-def predicted_tokens(target, examples: Examples, batch_size: int) -> np.ndarray:
+def predicted_tokens(target, examples: Examples, batch_size: int, progress: bool = False) -> np.ndarray:
     """The target's argmax after every position of the examples [N, T]: the tokens a draft head must be able to
-    propose (with self-distilled data they are the data's own tokens; with other data they are not)."""
+    propose (with self-distilled data they are the data's own tokens; with other data they are not). A pass of the
+    target over all the data (minutes on a CPU): progress shown per batch when `progress`."""
+    from tqdm.auto import tqdm
     decoder = Decoder(target.config)
     # the batch's sequences side by side (vmap): one matmul of B x T rows per weight, not B of T rows
     fn = jax.jit(jax.vmap(lambda params, seq: jnp.argmax(decoder.dense_forward(params, seq)[0], -1).astype(jnp.int32),
                           in_axes=(None, 0)))
-    parts = [fn(target.params, examples.ids[i:i + batch_size]) for i in range(0, len(examples), batch_size)]
-    return np.concatenate(jax.device_get(parts))
+    starts = range(0, len(examples), batch_size)
+    bar = tqdm(total=len(examples), desc="target predictions (draft vocabulary)", disable=not progress, unit="seq")
+    parts = []
+    for i in starts:   # each batch read back as it ends, so that the bar moves with the device
+        parts.append(np.asarray(fn(target.params, examples.ids[i:i + batch_size])))
+        bar.update(len(parts[-1]))
+    bar.close()
+    return np.concatenate(parts)
 
 
 def init_head(head: EagleHead, target_params: dict, d2t: np.ndarray, seed: int) -> dict:
@@ -258,7 +266,7 @@ def train(target, examples: Examples, out_dir, config: TrainConfig = TrainConfig
         max_to_keep=2, save_interval_steps=1))
     latest = manager.latest_step()
     if latest is None:   # the draft vocabulary: what the target predicts most where the head is trained
-        predicted = predicted_tokens(target, examples, config.batch_size)
+        predicted = predicted_tokens(target, examples, config.batch_size, progress)
         next_is_assistant = np.pad(examples.mask[:, 1:], ((0, 0), (0, 1)))
         d2t = draft_vocabulary(predicted, next_is_assistant, tc.vocab_size, config.draft_vocab_size)
     else:
@@ -320,9 +328,12 @@ def train(target, examples: Examples, out_dir, config: TrainConfig = TrainConfig
     losses, accs = [], []
     t0 = time.perf_counter()
     cache = None
-    if config.cache_target_outputs:
-        parts = [target_fn(target.params, examples.ids[i:i + config.batch_size], d2t_dev)
-                 for i in range(0, len(examples), config.batch_size)]
+    if config.cache_target_outputs:   # the target's features and teacher of every example, once (on the device)
+        parts = []
+        for i in tqdm(range(0, len(examples), config.batch_size), desc="target features (cached)",
+                      disable=not progress, unit="batch"):
+            parts.append(jax.block_until_ready(target_fn(target.params, examples.ids[i:i + config.batch_size],
+                                                         d2t_dev)))   # so that the bar moves with the device
         cache = jax.tree_util.tree_map(lambda *xs: jnp.concatenate(xs), *parts)
     total_steps, lr_at = config.steps, schedule(config.steps)
     timed_from, timed_until = first_step + 5, first_step + 25   # after the compile; then the budget is applied
