@@ -383,3 +383,25 @@ def test_fp8_gemv_kernel_equals_the_xla_fp8_matmul(mode):
     wrong = np.asarray(Ops(gemv=frozenset({"w"})).linear(x, LayerWeights({**stacks, "w_scale": scale * 1.01}, 1),
                                                           "w", **kw))
     assert np.abs(wrong - want).max() > 1e-3
+
+
+@pytest.mark.parametrize("pairs", [False, True])
+def test_fp8_gemv_reads_large_weights_as_uint16_pairs(pairs):
+    """A one-byte weight of 2^31 elements or more (8B's stacked FP8 gate/up) is read as uint16 pairs (Pallas's
+    Triton offsets wrap past 2^31 elements): forced here at a small size, the pairs' bytes interleaved back give
+    exactly the plain kernel's output, with the norm, split K and gate/up pairs. The GPU's own check, at 2^31
+    elements: tests/gpu/test_fp8_kernels.py."""
+    from jaxspec.pallas.gemv import Tiling, gemv, needs_packing
+    rng = np.random.default_rng(5)
+    L, N, K, T = 3, 32, 256, 5
+    w = rng.standard_normal((L, N, 2, K) if pairs else (L, N, K)).astype(np.float32) / 16
+    q, scale = quant.quantize_fp8(w)
+    x = jnp.asarray(rng.standard_normal((T, K)), jnp.float32)
+    g = jnp.asarray(1 + 0.3 * rng.standard_normal((L, K)), jnp.float32)
+    assert not needs_packing(q) and needs_packing(jax.ShapeDtypeStruct((2 ** 31,), jnp.float8_e4m3fn))
+    modes = [dict(tiling=Tiling(16, 64), norm=g, eps=1e-6)] + ([] if pairs else [dict(tiling=Tiling(32, 32, 4))])
+    for kw in modes:
+        want = np.asarray(gemv(x, q, 1, scale=scale, packed=False, **kw))
+        got = np.asarray(gemv(x, q, 1, scale=scale, packed=True, **kw))
+        np.testing.assert_array_equal(got, want)
+        assert np.abs(want).max() > 0.5

@@ -267,3 +267,18 @@ def test_many_mixed_requests_leak_no_block(target, drafters):
     assert_pool_consistent(engine.blocks)
     with pytest.raises(RuntimeError, match="freed more often"):
         engine.blocks.free_blocks([0])
+
+
+def test_a_long_cached_prefix_reaches_the_device_history_whole(target, monkeypatch):  # noqa: F811
+    """The history write of a cached prefix goes in fixed chunks (one program for every length): a prefix longer
+    than two chunks lands whole at its positions, and the slot's later positions and other slots are untouched."""
+    from jaxspec.decode import runner as runner_module
+    monkeypatch.setattr(runner_module, "HISTORY_CHUNK", 16)
+    runner = LLM(target, **ENGINE, warmup=False).engine.runner
+    ids = prompt_of(2 * 16 + 5, 5)
+    before = np.asarray(runner.state.history)
+    runner.write_history(1, ids)
+    after = np.asarray(runner.state.history)
+    assert after[1, :len(ids)].tolist() == ids
+    np.testing.assert_array_equal(after[1, len(ids):], before[1, len(ids):])
+    np.testing.assert_array_equal(np.delete(after, 1, axis=0), np.delete(before, 1, axis=0))

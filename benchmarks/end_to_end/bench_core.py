@@ -38,6 +38,7 @@ def measure(llm, batch: int, k: int, input_len: int, output_len: int, seed: int)
     outs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - t0
     tpot = float(np.mean([o.metrics["tpot"] for o in outs]))
+    ttft = float(np.mean([o.metrics["ttft"] for o in outs]))
     buffers, bucket_for, replay = handles(llm.engine)
     T = bucket_for(batch * (1 + k))
     out = replay(T)
@@ -52,7 +53,7 @@ def measure(llm, batch: int, k: int, input_len: int, output_len: int, seed: int)
         out = replay(T)
     jax.block_until_ready(out["tokens"])
     device = (time.perf_counter() - t0) / 20
-    return {"batch": batch, "k": k, "tpot_ms": 1e3 * tpot, "output_tok_s": batch * output_len / wall,
+    return {"batch": batch, "k": k, "tpot_ms": 1e3 * tpot, "ttft_ms": 1e3 * ttft, "output_tok_s": batch * output_len / wall,
             "argument_buffers": buffers, "host_issue_ms": 1e3 * issue, "device_step_ms": 1e3 * device}
 
 

@@ -20,7 +20,7 @@ import numpy as np
 from jaxspec.models.random import KNOWN_SHAPES
 from jaxspec.nn import kernels, quant
 from jaxspec.nn.ops import Ops
-from jaxspec.pallas.gemv import Tiling, gemv, tiling_for
+from jaxspec.pallas.gemv import MAX_ROWS, Tiling, gemv, tiling_for
 
 FORMS = ("bf16", "w8a16", "w8a8", "gemv16", "gemv8")   # gemv: jaxspec.pallas.gemv (bf16 / e4m3 weights), T <= 32
 
@@ -51,8 +51,9 @@ def chain_fn(form: str, layers: int, tiling=None):
     return run
 
 
-def time_form(form, T, N, K, options, reps=30, tiling=None):
-    layers = int(max(4, min(128, (256 << 20) // (N * K))))
+def time_form(form, T, N, K, options, reps=30, tiling=None, min_layers=4):
+    # at least 256 MB of weights (past the L2 cache); min_layers also makes one call long against its dispatch
+    layers = int(max(min_layers, min(128, (256 << 20) // (N * K))))
     key = jax.random.PRNGKey(0)
     x = jax.random.normal(key, (T, K), jnp.bfloat16)
     w = (0.02 * jax.random.normal(jax.random.fold_in(key, 1), (layers, N, K), jnp.float32)).astype(jnp.bfloat16)
@@ -80,6 +81,7 @@ def main():
     p.add_argument("--tiers", nargs="+", default=["tuned", "fast"], choices=["tuned", "fast"])
     p.add_argument("--sweep", action="store_true", help="the gemv8 kernel over a grid of tilings (block_k, warps, "
                                                         "stages, splits) around the bf16 one")
+    p.add_argument("--weights", nargs="+", default=["qkv", "o", "gate_up", "down"], help="which projections")
     p.add_argument("--json")
     a = p.parse_args()
     ops = Ops.for_backend(16)
@@ -108,20 +110,23 @@ def sweep(a, ops):
     rows = []
     print(f"{jax.devices()[0].device_kind}, {a.model}: gemv8 tilings, us per matmul (GB/s of weight read)")
     for name, (N, K) in projections(KNOWN_SHAPES[a.model]).items():
-        base = tiling_for(N, K, norm=False, pairs=False)
+        if name not in a.weights:
+            continue
+        base = tiling_for(N, K, norm=False, pairs=False, fp8=True)   # the engine's, for the plain fp8 product
         for T in a.tokens:
-            if T > 32:
+            if T > MAX_ROWS:
                 continue
             results = []
             for bk in sorted({base.block_k, 2 * base.block_k, 4 * base.block_k}):
-                for splits in sorted({1, base.splits}):
+                for splits in sorted({1, 2, base.splits}):
                     for warps in (4, 8):
-                        for stages in (3, 5):
+                        for stages in (3, 4):
                             t = Tiling(base.block_n, bk, splits, warps, stages)
                             if K % (splits * bk):
                                 continue
                             try:
-                                r = time_form("gemv8", T, N, K, ops.compiler_options(T), reps=15, tiling=t)
+                                r = time_form("gemv8", T, N, K, ops.compiler_options(T), reps=15, tiling=t,
+                                              min_layers=16)
                             except Exception as e:   # noqa: BLE001 - a tiling Triton cannot compile
                                 print(f"  {t}: {type(e).__name__}")
                                 continue

@@ -109,6 +109,7 @@ def main():
     p.add_argument("--tokenizer", help="a directory with the model's tokenizer files")
     p.add_argument("--hlo-dir", help="write each batch's compiled step (optimized HLO text) here")
     p.add_argument("--sequence", type=int, default=0, help="print the first N kernels of a traced step in order")
+    p.add_argument("--quantization", choices=["fp8"], help="the engine's quantization (weights quantized on load)")
     a = p.parse_args()
     if a.attention_splits:
         import jaxspec.pallas.paged_attention as pa
@@ -135,7 +136,7 @@ def main():
     k = a.num_spec_tokens if spec is not None else 0
     engine = Engine(model, EngineConfig(max_num_seqs=max(a.batches), max_model_len=a.max_model_len,
                                         max_num_batched_tokens=256, warmup=False,
-                                        structured_compile_timeout=3600.0), spec)
+                                        structured_compile_timeout=3600.0, quantization=a.quantization), spec)
     runner = engine.runner
     print(f"argument buffers per step: {runner.argument_buffers()}")
     rows = []

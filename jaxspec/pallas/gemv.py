@@ -18,6 +18,12 @@ Measured on an H100 (Qwen2.5-Coder-1.5B shapes, docs/lab/2026-11-24-gemv-kernels
 kernel with K split 5 ways reads the weight at 72-74% of the copy bandwidth against XLA's 60-68%, and the engine's
 step is 4% faster with it; on the small q/k/v and o matrices (K = 1536) and on gate/up it is slower than XLA's
 GEMMs, so the engine runs down alone through it by default (Ops.gemv, JAXSPEC_GEMV).
+
+One-byte weights of 2^31 elements or more (Llama-3.1-8B's stacked FP8 gate/up, [32, 14336, 2, 4096], is 3.76e9)
+are read as uint16 pairs: Pallas's Triton lowering indexes an array below 2^32 bytes with 32-bit signed element
+offsets, which wrap past 2^31 elements and faulted on an H100 (CUDA_ERROR_ILLEGAL_ADDRESS). Viewed as uint16 the
+same bytes are half as many elements; the kernel splits each loaded pair into its two bytes and interleaves them
+back into the tile.
 """
 from __future__ import annotations
 
@@ -48,7 +54,7 @@ def _rows_tile(T: int) -> int:
 
 
 def _kernel(*refs, T: int, K: int, tiling: Tiling, rows: int, eps: float | None, pairs: bool, residual: bool,
-            scaled: bool):
+            scaled: bool, packed: bool):
     layer_ref, x_ref, w_ref, *refs = refs
     norm_ref = refs.pop(0) if eps is not None else None
     res_ref = refs.pop(0) if residual else None
@@ -56,6 +62,11 @@ def _kernel(*refs, T: int, K: int, tiling: Tiling, rows: int, eps: float | None,
     # FP8 weights are converted to x's dtype tile by tile (the product's per-column scale applies after the sum)
     compute = x_ref.dtype if scaled else w_ref.dtype
     load_w = (lambda ref: ref.astype(compute)) if scaled else (lambda ref: ref)
+    if packed:   # uint16 [bn, bk / 2]: the low byte holds an even k's e4m3 value, the high byte the next odd k's,
+        def load_w(pairs16):   # interleaved back into the [bn, bk] tile of bytes
+            lo, hi = (pairs16 & 0xFF).astype(jnp.uint8), (pairs16 >> 8).astype(jnp.uint8)
+            tile = jnp.stack([lo, hi], axis=-1).reshape(lo.shape[0], 2 * lo.shape[1])
+            return jax.lax.bitcast_convert_type(tile, jnp.float8_e4m3fn).astype(compute)
     (o_ref,) = refs
     bn, bk, S = tiling.block_n, tiling.block_k, tiling.splits
     n, s = pl.program_id(0), pl.program_id(1)
@@ -76,11 +87,12 @@ def _kernel(*refs, T: int, K: int, tiling: Tiling, rows: int, eps: float | None,
             x32 = x.astype(jnp.float32)
             ss = ss + jnp.sum(x32 * x32, axis=1)
             x = (x32 * norm_ref[layer, pl.ds(k, bk)].astype(jnp.float32)[None, :]).astype(compute)
+        wk = pl.ds(k // 2, bk // 2) if packed else pl.ds(k, bk)
         if pairs:
-            gate = load_w(w_ref[layer, pl.ds(n0, bn), 0, pl.ds(k, bk)])
-            up = load_w(w_ref[layer, pl.ds(n0, bn), 1, pl.ds(k, bk)])
+            gate = load_w(w_ref[layer, pl.ds(n0, bn), 0, wk])
+            up = load_w(w_ref[layer, pl.ds(n0, bn), 1, wk])
             return accs[0] + dot(x, gate), accs[1] + dot(x, up), ss
-        w = load_w(w_ref[layer, pl.ds(n0, bn), pl.ds(k, bk)])
+        w = load_w(w_ref[layer, pl.ds(n0, bn), wk])
         return accs[0] + dot(x, w), ss
 
     zeros = jnp.zeros((rows, bn), jnp.float32)
@@ -103,17 +115,32 @@ def _kernel(*refs, T: int, K: int, tiling: Tiling, rows: int, eps: float | None,
     plgpu.store(o_ref.at[pl.ds(0, rows), pl.ds(n0, bn)], y.astype(o_ref.dtype), mask=out_ok)
 
 
-@functools.partial(jax.jit, static_argnames=("tiling", "eps", "interpret"))
+# Pallas's Triton lowering offsets an array under 2^32 bytes with signed 32-bit element indices (module docstring)
+INT32_ELEMENTS = 2 ** 31
+
+
+def needs_packing(w) -> bool:
+    """Whether `w` must be read as uint16 pairs: one-byte elements, 2^31 or more of them."""
+    return w.dtype.itemsize == 1 and w.size >= INT32_ELEMENTS
+
+
+@functools.partial(jax.jit, static_argnames=("tiling", "eps", "interpret", "packed"))
 def gemv(x, w, layer, norm=None, residual=None, scale=None, *, tiling: Tiling = Tiling(), eps: float | None = None,
-         interpret: bool | None = None):
+         interpret: bool | None = None, packed: bool | None = None):
     """x [T, K] (T <= MAX_ROWS); w [L, N, K] or, for gate/up pairs, [L, F, 2, K]; layer: i32 scalar.
     norm [L, K] with eps: rms_norm x first. residual [T, N]: added to the output (one split only). scale f32[L, N]
     (pairs [L, F, 2]): w holds FP8 values (jaxspec.nn.quant), converted to x's dtype in the kernel, and each
     output column's sum is multiplied by its scale.
     -> [T, N] (pairs: silu(gate) * up [T, F]) in x's dtype, or with tiling.splits = S > 1 the f32 partial sums
-    [S, T, N] (their sum is the product; residual not allowed)."""
+    [S, T, N] (their sum is the product; residual not allowed). packed: read the FP8 weight as uint16 pairs
+    (None: where `needs_packing`; True forces it, as the tests do at small sizes)."""
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
+    if packed is None:
+        packed = needs_packing(w)
+    if packed and (scale is None or w.dtype != jnp.float8_e4m3fn or w.shape[-1] % 2 or tiling.block_k % 2):
+        raise ValueError(f"packed reading takes e4m3 weights with their scale, an even K and block_k "
+                         f"(got {w.dtype}, K={w.shape[-1]}, block_k={tiling.block_k}, scale given: {scale is not None})")
     T, K = x.shape[0], w.shape[-1]
     if x.ndim != 2 or x.shape[1] != K:
         raise ValueError(f"x {x.shape} does not match the weight {w.shape}: x must be [T, {K}]")
@@ -137,6 +164,8 @@ def gemv(x, w, layer, norm=None, residual=None, scale=None, *, tiling: Tiling = 
     # The interpreter slices instead of masking (and clamps slices past the end): there the rows are padded.
     Tp = rows if interpret else T
     pad = lambda a: jnp.pad(a, ((0, Tp - T), (0, 0))) if Tp != T else a  # noqa: E731
+    if packed:   # the same bytes as uint16 pairs (a bitcast: no copy)
+        w = jax.lax.bitcast_convert_type(w.reshape(*w.shape[:-1], K // 2, 2), jnp.uint16)
     args = [jnp.reshape(layer, (1,)).astype(jnp.int32), pad(x), w]
     if norm is not None:
         args.append(norm)
@@ -148,7 +177,7 @@ def gemv(x, w, layer, norm=None, residual=None, scale=None, *, tiling: Tiling = 
                  jax.ShapeDtypeStruct((Tp, N), x.dtype))
     whole = lambda a: pl.BlockSpec(a.shape, lambda n, s: (0,) * len(a.shape))  # noqa: E731
     kernel = functools.partial(_kernel, T=T, K=K, tiling=tiling, rows=rows, eps=eps, pairs=pairs,
-                               residual=residual is not None, scaled=scale is not None)
+                               residual=residual is not None, scaled=scale is not None, packed=packed)
     params = {} if interpret else dict(compiler_params=plgpu.CompilerParams(
         num_warps=tiling.num_warps, num_stages=tiling.num_stages))
     out = pl.pallas_call(kernel, grid=(N // bn, S), in_specs=[whole(a) for a in args],

@@ -473,6 +473,7 @@ class Engine:
                 self._follow_compiles()
         else:
             runner.warmup(variants, tier=FAST if self.warmup_mode == "fast" else None)
+        runner.warm_transfers(variants)
         self.counts.compiled_at_warmup = runner.compiled_on_demand
 
     def _follow_compiles(self):

@@ -47,3 +47,31 @@ def test_fp8_gemv_matches_xla(name, T, dtype):
         err = np.abs(np.asarray(got, np.float64) - want).max()
         print(f"{name} T={T} {dtype} {path}: max error {err:.2e}")
         np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=tol, atol=tol, err_msg=path)
+
+
+@pytest.mark.parametrize("pairs", [False, True])
+def test_fp8_gemv_past_2_31_elements(pairs):
+    """A stacked e4m3 weight of 2^31 elements (Llama-3.1-8B's gate/up has 3.76e9): the kernel reads its last layer,
+    whose offsets pass 2^31, as uint16 pairs, and equals the float64 reference over the same bytes (read the plain
+    way it faulted: CUDA_ERROR_ILLEGAL_ADDRESS)."""
+    import jax
+    import jax.numpy as jnp
+    from jaxspec.pallas.gemv import INT32_ELEMENTS, gemv, needs_packing, tiling_for
+    L, N, K, T = 32, 16384, 4096, 8   # 2^31 elements
+    shape = (L, N // 2, 2, K) if pairs else (L, N, K)
+    q = jax.jit(lambda k: (jax.random.normal(k, shape, jnp.float32) * 4).astype(jnp.float8_e4m3fn))(jax.random.key(0))
+    assert q.size >= INT32_ELEMENTS and needs_packing(q)
+    scale = jnp.full(shape[:-1], 0.5, jnp.float32)
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_normal((T, K)), jnp.float32)
+    tiling = tiling_for(shape[1], K, norm=False, pairs=pairs, fp8=True)
+    got = gemv(x, q, L - 1, scale=scale, tiling=tiling)
+    got = np.asarray(got.sum(0) if tiling.splits > 1 else got, np.float64)
+    w = np.asarray(q[L - 1].astype(jnp.float32), np.float64) * 0.5
+    want = np.asarray(x, np.float64) @ w.reshape(-1, K).T
+    if pairs:
+        gu = want.reshape(T, N // 2, 2)
+        want = gu[..., 0] / (1 + np.exp(-gu[..., 0])) * gu[..., 1]
+    print(f"pairs={pairs}: max error {np.abs(got - want).max():.2e}")
+    # float32 sums of 4096 terms ~1e2 in another order; SwiGLU multiplies two of them (measured 4.6e-5 of the max)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=2e-4 * np.abs(want).max())
