@@ -47,6 +47,24 @@ def test_tensor_parallel_matches_one_device(arch, sizes):
         assert np.abs(lps[tp] - lps[1]).max() < 1e-4
 
 
+def test_the_roofline_counts_the_bytes_each_device_reads(target):
+    """The bench's HBM bound under tensor parallelism is one device's bytes: its shard of each split weight and
+    every replicated weight whole (the embedding, norms; attention too when KV heads are fewer than devices), and
+    its share of the KV pool; at TP = 1 all of it."""
+    from jaxspec.bench.measure import decode_bytes
+    model = random_model(3, num_heads=8, num_kv_heads=4, hidden_size=64, intermediate_size=128)
+    for tp in (1, 2, 4):
+        runner = LLM(model, **TP_ENGINE, tensor_parallel_size=tp).engine.runner
+        leaves = jax.tree_util.tree_leaves(runner.params)
+        split = {id(a) for a in leaves if any(axis is not None for axis in getattr(a.sharding, "spec", ()))}
+        assert bool(split) == (tp > 1) and len(split) < len(leaves)   # the embedding and norms stay whole
+        want = sum(a.nbytes // (tp if id(a) in split else 1) for a in leaves)
+        assert runner.weight_bytes(per_device=True) == want and runner.weight_bytes() == sum(a.nbytes for a in leaves)
+        assert runner.kv_bytes_per_token(per_device=True) * tp == runner.kv_bytes_per_token()   # 4 KV heads split
+        engine = type("E", (), {"runner": runner})
+        assert decode_bytes(engine, 2, 10) == want + 20 * runner.kv_bytes_per_token() // tp
+
+
 def test_kv_heads_fewer_than_devices_are_replicated(target):
     """The test target has 2 KV heads: with 4 devices attention stays whole on each, the MLP is split."""
     with pytest.warns(UserWarning, match="attention .* is replicated"):

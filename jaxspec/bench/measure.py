@@ -18,9 +18,11 @@ def _pct(xs, q):
 
 
 def decode_bytes(engine, batch: int, context: int) -> int:
-    """Fewest bytes one decode step reads: every weight once, plus each row's KV context."""
+    """Fewest bytes one decode step reads on each device: every weight once, plus each row's KV context; under
+    tensor parallelism what the busiest device holds of them (its shards, and replicated weights whole), so the
+    roofline is one GPU's bytes against one GPU's bandwidth."""
     runner = engine.runner
-    return runner.weight_bytes() + runner.kv_bytes_per_token() * context * batch
+    return runner.weight_bytes(per_device=True) + runner.kv_bytes_per_token(per_device=True) * context * batch
 
 
 def device_step_time(engine, num_tokens: int, repeats: int = 20) -> float:

@@ -64,6 +64,16 @@ def logit_bias_row(bias: dict[int, float]) -> np.ndarray:
     return row
 
 
+def _bytes_per_device(arrays) -> collections.Counter:
+    """device -> bytes of these arrays it holds (its shard of each, or the whole of a replicated one)."""
+    held = collections.Counter()
+    for a in arrays:
+        shard = int(np.prod(a.sharding.shard_shape(a.shape))) * a.dtype.itemsize
+        for device in a.sharding.device_set:
+            held[device] += shard
+    return held
+
+
 def _spec(a) -> jax.ShapeDtypeStruct:
     """An array's shape, dtype and placement: what a program is compiled for."""
     return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
@@ -367,10 +377,20 @@ class ModelRunner:
         return schema.num_buffers(self.params, self.drafter_params, self.state) + 1 + len(
             jax.tree_util.tree_leaves(output_shapes(StepVariant(), self.step_config, self.max_rows, 1)))
 
-    def weight_bytes(self) -> int:
-        return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(self.params))
+    def weight_bytes(self, per_device: bool = False) -> int:
+        """Bytes of the target's weights: in all, or (per_device) on the device that holds the most (under tensor
+        parallelism a device holds its shards and every replicated weight whole: what it reads in a step)."""
+        leaves = jax.tree_util.tree_leaves(self.params)
+        if not per_device:
+            return sum(x.size * x.dtype.itemsize for x in leaves)
+        return max(_bytes_per_device(leaves).values())
 
-    def kv_bytes_per_token(self) -> int:
-        """Bytes of target KV one token of context occupies (every attention layer's k and v)."""
-        kv = self.state.layers.get("attention", {})
-        return sum(int(np.prod(a.shape[:1] + a.shape[2:])) * a.dtype.itemsize for a in kv.values())
+    def kv_bytes_per_token(self, per_device: bool = False) -> int:
+        """Bytes of target KV one token of context occupies (every attention layer's k and v): in all, or
+        (per_device) on the device that holds the most (KV heads split under tensor parallelism, or replicated)."""
+        kv = list(self.state.layers.get("attention", {}).values())
+        whole = sum(int(np.prod(a.shape[:1] + a.shape[2:])) * a.dtype.itemsize for a in kv)
+        if not per_device or not kv:
+            return whole
+        held = _bytes_per_device(kv)   # the pools' bytes on each device; their tokens' share is the same
+        return int(whole * max(held.values()) / sum(a.size * a.dtype.itemsize for a in kv))
