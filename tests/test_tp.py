@@ -95,7 +95,7 @@ def test_speculation_under_tensor_parallelism(target, drafters, method):
 
 
 def test_invalid_tensor_parallel_sizes_are_refused(target):
-    for size, why in [(8, "only 4 local device"), (3, "the MLP width"), (True, "the MLP width")]:
+    for size, why in [(8, "only 4 device"), (3, "the MLP width"), (True, "the MLP width")]:
         with pytest.raises(ValueError, match=rf"tensor_parallel_size={size!r} is invalid \({why}.*valid sizes here: \[1, 2, 4\]"):
             LLM(target, **TP_ENGINE, tensor_parallel_size=size)
     with pytest.raises(ValueError, match=r"tensor_parallel_size=0 is invalid; it must be >= 1"):   # the engine's own check

@@ -21,6 +21,7 @@ import hashlib
 import pathlib
 import re
 import time
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -120,6 +121,9 @@ class ModelRunner:
         self._write_logit_bias = jax.jit(_write_logit_bias, donate_argnums=(0,), out_shardings=self.input_sharding)
         self._load_inputs = jax.jit(_load_inputs, donate_argnums=(0,), out_shardings=self.input_sharding)
         self._copy_outputs = jax.jit(_copy_outputs, out_shardings=self.input_sharding)
+        # An engine across processes (jaxspec.distributed): on process 0, called with each device operation
+        # (method name, arguments) before it is made, so the other processes make it too, in the same order.
+        self.mirror: Callable[..., None] | None = None
         self._inboxes: dict[int, jax.Array] = {}                  # per bucket
         self._outboxes: dict[tuple[int, StepVariant], dict] = {}  # per bucket and variant
         cap = max(max_num_batched_tokens, MIN_TOKEN_BUCKET)
@@ -246,23 +250,32 @@ class ModelRunner:
         """Copies the inputs over, issues the step, starts copying its outputs back (device arrays). A grammar
         variant also reads `grammar_table` (jaxspec.decode.grammar.GrammarTable, already on the device)."""
         t0 = time.perf_counter()
-        T = inputs.token_matrix.shape[1]
-        self.last_run_compiled = False   # step_fn sets it when it compiles
         # The packed host buffer goes straight into the load's call, which transfers it (a separate
         # jax.device_put cost ~40 us more host time per step on the CPU backend). It is built for this step
         # alone and never written again: on the CPU backend the call may read it after returning.
-        buf = inputs.pack()
+        out = self.run_packed(inputs.token_matrix.shape[1], variant, inputs.pack(), grammar_table)
+        self.issue_seconds.append(time.perf_counter() - t0)
+        return out
+
+    def run_packed(self, T: int, variant: StepVariant, buf: np.ndarray, grammar_table=None) -> dict:
+        """`run` from the packed inputs of bucket T: what a follower process runs (jaxspec.distributed)."""
+        self.last_run_compiled = False   # step_fn sets it when it compiles
+        if self.mirror is not None:
+            if grammar_table is not None:   # its tables live on the leader's devices alone
+                raise ValueError("structured outputs are not supported by an engine across processes")
+            self.mirror("run_packed", T, variant, buf)
         out = self._issue(T, variant, buf, grammar_table)
         for array in out.values():
             array.copy_to_host_async()
         self.last_inputs[T] = (variant, buf)
         self._last_grammar[T] = grammar_table
-        self.issue_seconds.append(time.perf_counter() - t0)
         return out
 
     def write_history(self, slot: int, token_ids: list[int]):
         """The slot's device history gets the ids of a prefix that came from the prefix cache (no step
         computes them; penalties and prompt lookup read them). Small dispatches of HISTORY_CHUNK ids each."""
+        if self.mirror is not None:
+            self.mirror("write_history", slot, list(token_ids))
         for start in range(0, len(token_ids), HISTORY_CHUNK):
             chunk = token_ids[start:start + HISTORY_CHUNK]
             ids = np.zeros(HISTORY_CHUNK, np.int32)
@@ -272,11 +285,15 @@ class ModelRunner:
     def write_logit_bias(self, slot: int, row: np.ndarray):
         """The slot's row of the logit-bias table (`logit_bias_row`): one small dispatch, ordered before the steps
         that read it (a step already dispatched keeps the table it was given)."""
+        if self.mirror is not None:
+            self.mirror("write_logit_bias", slot, row)
         self.logit_bias_table = self._write_logit_bias(self.logit_bias_table, np.int32(slot), row)
 
     def replay(self, T: int) -> dict:
         """Runs bucket T's last live inputs again (benchmarks: the device time of a real step). Each replay
         advances the same rows by one more token; abort those requests afterwards."""
+        if self.mirror is not None:
+            self.mirror("replay", T)
         variant, buf = self.last_inputs[T]
         return self._issue(T, variant, buf, self._last_grammar.get(T))
 

@@ -38,12 +38,13 @@ class TensorParallel:
 
     @staticmethod
     def create(size: int, configs) -> "TensorParallel | None":
-        """The mesh over the first `size` local devices, for these model configs (the target and a draft
-        model or head: they share the mesh). None for size 1. A ValueError names the valid sizes."""
-        devices = jax.local_devices()
+        """The mesh over the first `size` devices, for these model configs (the target and a draft model or head:
+        they share the mesh). None for size 1. A ValueError names the valid sizes. The devices are every process's
+        under jax.distributed (one engine across processes: jaxspec.distributed), else this process's."""
+        devices = jax.devices()
         valid = [n for n in range(1, len(devices) + 1) if all(c.intermediate_size % n == 0 for c in configs)]
         if not isinstance(size, int) or isinstance(size, bool) or size not in valid:
-            why = (f"only {len(devices)} local device(s)" if isinstance(size, int) and size > len(devices) else
+            why = (f"only {len(devices)} device(s)" if isinstance(size, int) and size > len(devices) else
                    "the MLP width of every model must divide by it")
             raise ValueError(f"tensor_parallel_size={size!r} is invalid ({why}); valid sizes here: {valid}")
         if size == 1:

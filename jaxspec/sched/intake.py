@@ -44,6 +44,8 @@ class Intake:
         self._lock = threading.Lock()                           # held for an append or a drain, never a step
         self._pending_ids: set[str] = set()                     # ids submitted, not yet taken by the loop
         self.closed_by: BaseException | None = None             # what stopped the loop: nothing enters after it
+        # Why this engine refuses structured outputs, if it does (an engine across processes: jaxspec.distributed)
+        self.refuse_structured: str | None = None
 
     # ---- checking and building ---------------------------------------------------------------------
     def validate(self, prompt_token_ids, params: SamplingParams) -> TokenAutomaton | None:
@@ -67,6 +69,8 @@ class Intake:
         bad = [t for t in (params.logit_bias or ()) if not 0 <= t < v]
         if bad:
             raise ValueError(f"SamplingParams.logit_bias has token ids {bad[:5]} outside the vocabulary [0, {v})")
+        if params.structured_outputs is not None and self.refuse_structured:
+            raise ValueError(f"SamplingParams.structured_outputs: {self.refuse_structured}")
         grammar = (self.compile_structured(params.structured_outputs)
                    if params.structured_outputs is not None else None)
         if n + max(1, params.min_tokens) > sc.max_model_len:
