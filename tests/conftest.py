@@ -10,6 +10,24 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 # need to. (IEEE semantics hold at every level: no fast-math either way.)
 if os.environ["JAX_PLATFORMS"] == "cpu" and "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
+
+
+def _cpu_elemental_emitters():
+    """XLA's CPU fusions compiled by its elemental IR emitters instead of the MLIR fusion emitters that are its
+    default: a speculative step of the tiny models compiles in ~1/3 of the time (~9-13 s against ~27-37 s for a
+    draft model's adaptive-k steps) and runs no slower (faster: ~2.4 s against ~5 s for the same requests three
+    times); both emit IEEE arithmetic and the tokens were the same. Only where jaxlib knows the flag (XLA aborts on
+    an unknown one). Returns the compile option that restores XLA's default, {} where it is the default."""
+    from jaxspec.xla_flags import _libraries, _libraries_name   # stdlib only: JAX is not imported here
+    flag = "xla_cpu_use_fusion_emitters"
+    if flag not in os.environ["XLA_FLAGS"] and _libraries_name(flag, _libraries()):
+        os.environ["XLA_FLAGS"] += f" --{flag}=false"
+    return {flag: True} if f"--{flag}=false" in os.environ["XLA_FLAGS"] else {}   # (xdist: the parent set it)
+
+
+# XLA's default CPU emitters as a compile option: for what counts the fusions of a compiled step
+# (tests/test_hot_path.py), whose bounds are the default emitters' (the elemental ones fuse less)
+DEFAULT_CPU_EMITTERS = _cpu_elemental_emitters() if os.environ["JAX_PLATFORMS"] == "cpu" else {}
 # A per-session persistent compilation cache: engines whose steps differ only in params or in async/sync
 # scheduling (many of tests/test_spec.py) compile once.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
@@ -36,6 +54,26 @@ def _dequantize_with_optimisation():
 
 if "xla_backend_optimization_level=0" in os.environ["XLA_FLAGS"]:
     _dequantize_with_optimisation()
+
+
+def optimized_env(**extra) -> dict:
+    """os.environ for a subprocess that runs a real model (the SmolLM2 server, the quickstart notebook's kernel):
+    XLA_FLAGS without the suite's --xla_backend_optimization_level=0, so that its steps get LLVM's optimisation, as
+    optimize_steps gives an in-process engine (SmolLM2's steps run far more often than they compile: the
+    notebook took ~1/3 less CPU time so). Everything else is the suite's (the compilation cache, the emitters)."""
+    flags = os.environ.get("XLA_FLAGS", "").replace("--xla_backend_optimization_level=0", "")
+    return {**os.environ, "XLA_FLAGS": " ".join(flags.split()), **extra}
+
+
+@pytest.fixture
+def optimized_steps(monkeypatch):
+    """Every engine the test builds compiles its steps with LLVM's optimisation (what optimize_steps gives one
+    engine), engines built out of the test's reach included (jaxspec-bench's): for a real model, whose steps cost
+    more to run than to compile (jaxspec-bench's SmolLM2 matrix, tests/test_bench.py: half the CPU time)."""
+    from jaxspec.nn.ops import Ops
+    options = Ops.compiler_options
+    monkeypatch.setattr(Ops, "compiler_options", lambda self, num_tokens, tier="tuned": {
+        **options(self, num_tokens, tier), "xla_backend_optimization_level": 2})
 
 
 def optimize_steps(llm):
@@ -74,10 +112,26 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a GPU (tests/gpu); skipped on any other backend")
 
 
+# The files that take longest on CI's two cores (seconds of one worker, measured: --durations), longest first. The
+# suite runs them first (pytest_collection_modifyitems; xdist's --dist loadfile hands whole files out in collection
+# order, pyproject's --no-loadscope-reorder), so the two workers end together on short files: xdist's default order
+# (files with the most tests first) left the notebook and the real-model files for the end, one worker running them
+# alone for minutes. A file not named here runs after these, in its own order.
+LONGEST_FIRST = ["test_spec_layouts.py", "test_train.py", "test_spec_sampling.py", "test_serve.py",
+                 "test_adaptive_k.py", "test_engine.py", "test_bench.py", "test_notebook.py", "test_model_parity.py",
+                 "test_serve_ray.py", "test_distributed.py",
+                 "test_spec.py", "test_structured.py", "test_serve_fields.py", "test_fp8.py", "test_hot_path.py",
+                 "test_core.py", "test_prefix_cache.py", "test_tp.py", "test_hybrid.py"]
+
+
 def pytest_collection_modifyitems(config, items):
-    """tests/gpu: what only a GPU shows (Pallas kernels lowered through Triton, XLA's CUDA graphs, bf16 engines on the
+    """Longest files first (LONGEST_FIRST; the order within a file is kept).
+
+    tests/gpu: what only a GPU shows (Pallas kernels lowered through Triton, XLA's CUDA graphs, bf16 engines on the
     device), each test marked `gpu` and skipped on any other backend. The CPU is the default above, so the GPU
     machine names its platform and runs them in one process: JAX_PLATFORMS=cuda python -m pytest -q -n 0 tests/gpu"""
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)) if item.path.parent.name == "tests" else len(rank))
     gpu_items = [item for item in items if item.get_closest_marker("gpu")]
     if not gpu_items:
         return
