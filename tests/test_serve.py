@@ -16,6 +16,8 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from conftest import optimized_env
+
 MODEL = "smollm2-135m-instruct"
 API_KEY = "test-key"
 MAX_MODEL_LEN = 256
@@ -35,7 +37,8 @@ def server_process(tmp_path_factory):
     """(the server's Popen, its base URL)."""
     port = free_port()
     log = tmp_path_factory.mktemp("serve") / "server.log"
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAXSPEC_API_KEY": API_KEY}
+    # the real model's steps with LLVM's optimisation (conftest.optimized_env): they run far more than they compile
+    env = optimized_env(JAX_PLATFORMS="cpu", JAXSPEC_API_KEY=API_KEY)
     cmd = [sys.executable, "-m", "jaxspec.cli", "serve", MODEL, "--port", str(port), "--dtype", "float32",
            "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "8", "--max-num-batched-tokens", "64",
            "--log-level", "warning", "--allowed-origins", json.dumps([ORIGIN]),
@@ -307,6 +310,64 @@ def test_metrics_count_requests_tokens_and_cache_hits(client, server):
     assert hits >= 16     # the second request reuses the first one's blocks of the shared part
     assert value(after, "jaxspec:prefix_cache_queries_total") > value(before, "jaxspec:prefix_cache_queries_total")
     assert value(after, "jaxspec:kv_cache_usage_perc") == 0 and value(after, "jaxspec:num_requests_waiting") == 0
+
+
+VLLM_COUNTERS = ["vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:request_success_total",
+                 "vllm:num_preemptions_total", "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"]
+VLLM_GAUGES = ["vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"]
+VLLM_HISTOGRAMS = ["vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
+                   "vllm:e2e_request_latency_seconds", "vllm:request_time_per_output_token_seconds",
+                   "vllm:request_decode_time_seconds", "vllm:request_prompt_tokens", "vllm:request_generation_tokens"]
+
+
+def test_metrics_carry_vllms_names_beside_jaxspecs(client, server):
+    """/metrics also exports what vLLM's v1 engine does, under its names, types and labels (model_name, engine),
+    so that vLLM's dashboards and llm-d's scheduler read it unmodified: the counters grow as jaxspec's do (vLLM's
+    prompt tokens once per completion), the gauges equal jaxspec's, mid-request too, and each step after a
+    completion's first token is one inter-token latency."""
+    text = httpx.get(f"{server}/metrics").text
+    types = {fam.name: fam.type for fam in text_string_to_metric_families(text)}
+    for name in VLLM_COUNTERS:   # exposed as vLLM's are: the counter's name with _total
+        assert re.search(rf"^{name}{{.*engine=\"0\".*}}", text, re.M), name
+        assert types[name.removesuffix("_total")] == "counter", name
+    for name in VLLM_GAUGES + VLLM_HISTOGRAMS:
+        assert types[name] == ("gauge" if name in VLLM_GAUGES else "histogram"), name
+    before = metrics(server)
+    assert value(before, "vllm:request_success_total", finished_reason="stop", engine="0") >= 0
+    assert {s.labels["finished_reason"] for s in before if s.name == "vllm:request_success_total"} >= {
+        "stop", "length", "abort"}   # each reason's series exists before its first request, as vLLM's
+
+    with client.completions.create(model=MODEL, prompt="Count to twenty: 1, 2,", max_tokens=24, temperature=0,
+                                   stream=True, extra_body={"ignore_eos": True}) as stream:
+        next(iter(stream))
+        running = metrics(server)
+        for name in VLLM_GAUGES:
+            assert value(running, name, model_name=MODEL, engine="0") == value(running, f"jaxspec:{name[5:]}"), name
+        assert value(running, "vllm:num_requests_running") == 1 and value(running, "vllm:kv_cache_usage_perc") > 0
+        streamed = 1 + sum(1 for _ in stream)
+    out = client.completions.create(model=MODEL, prompt="Name two planets:", max_tokens=5, temperature=0, n=2,
+                                    extra_body={"ignore_eos": True})
+    after = metrics(server)
+
+    def grew(name, **labels):
+        return value(after, name, **labels) - value(before, name, **labels)
+    completions, generated = 3, 24 + out.usage.completion_tokens
+    assert generated == 24 + 10 and streamed >= 1
+    assert grew("vllm:generation_tokens_total") == grew("jaxspec:generation_tokens_total") == generated
+    assert grew("vllm:request_success_total", finished_reason="length") == completions == \
+        grew("jaxspec:request_success_total", finished_reason="length")
+    first_prompt = grew("jaxspec:prompt_tokens_total") - out.usage.prompt_tokens
+    assert grew("vllm:prompt_tokens_total") == first_prompt + 2 * out.usage.prompt_tokens   # n=2: twice
+    for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds"):
+        assert grew(f"vllm:{name}_count") == grew(f"jaxspec:{name}_count") == completions, name
+        assert grew(f"vllm:{name}_sum") == pytest.approx(grew(f"jaxspec:{name}_sum")), name
+    assert grew("vllm:inter_token_latency_seconds_count") == generated - completions   # a token a step
+    assert grew("vllm:request_generation_tokens_sum") == generated
+    assert grew("vllm:request_prompt_tokens_sum") == grew("vllm:prompt_tokens_total")
+    for name in VLLM_COUNTERS[3:] + VLLM_GAUGES:   # the engine's, read at the scrape
+        jaxspec = f"jaxspec:{name[5:]}"
+        assert value(after, name, model_name=MODEL, engine="0") == value(after, jaxspec), name
+    assert value(after, "vllm:num_requests_running") == 0 == value(after, "vllm:kv_cache_usage_perc")
 
 
 def test_bench_drives_the_server(server):

@@ -221,8 +221,22 @@ def test_every_sampling_field_over_http_equals_llm_generate(model, cases, expect
             assert_same(completions_of(r.json(), endpoint, decode), want[name], name)
             if differs_from is not None:   # the field matters
                 assert want[name] != want[differs_from], f"{name} changes nothing"
+        if speculative:   # vLLM's spec-decode counters on /metrics are the engine's (the engine is idle now)
+            assert_vllm_spec_decode_metrics(client.get("/metrics").text, llm.stats()["spec"])
     if speculative:
         assert llm.stats()["spec"]["accepted_tokens"] > 0
+
+
+def assert_vllm_spec_decode_metrics(text: str, spec: dict):
+    """vllm:spec_decode_* (labels model_name, engine; per position too) equal the engine's speculation counts."""
+    from prometheus_client.parser import text_string_to_metric_families
+    samples = {(s.name, s.labels.get("position")): s for f in text_string_to_metric_families(text) for s in f.samples}
+    for name, key in [("drafts", "drafts"), ("draft_tokens", "draft_tokens"), ("accepted_tokens", "accepted_tokens")]:
+        s = samples[(f"vllm:spec_decode_num_{name}_total", None)]
+        assert s.value == spec[key] and s.labels == {"model_name": "tiny", "engine": "0"}, name
+    per_pos = [samples[("vllm:spec_decode_num_accepted_tokens_per_pos_total", str(p))].value
+               for p in range(spec["num_speculative_tokens"])]
+    assert sum(per_pos) == spec["accepted_tokens"] > 0 and per_pos == sorted(per_pos, reverse=True)
 
 
 # ---- the fields' effects, against references that are not the engine -------------------------------------------
