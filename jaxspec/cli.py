@@ -124,9 +124,9 @@ def check_engine_args(p: argparse.ArgumentParser, args):
         check_speculative_config(p, args.speculative_config)
 
 
-def serve(argv: list[str]):
-    from jaxspec.serve.options import add_serve_args, options_from_args
-    p = ArgumentParser(prog="jaxspec serve", description="An OpenAI-compatible server over one model.")
+def add_server_args(p: argparse.ArgumentParser):
+    """The model and the endpoint of a server: `jaxspec serve`'s, and each Ray Serve replica's
+    (jaxspec/serve/ray.py)."""
     p.add_argument("model", nargs="?", default="smollm2-135m-instruct",
                    help="a preset name, a Hugging Face directory or a GGUF file")
     p.add_argument("--host", default="127.0.0.1")
@@ -135,9 +135,15 @@ def serve(argv: list[str]):
     p.add_argument("--api-key", default=os.environ.get("JAXSPEC_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health, /version and /metrics "
                         "(see --protect-metrics) (default: $JAXSPEC_API_KEY)")
-    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--random-weights", action="store_true",
                    help="benchmarks: MODEL's shapes with random weights and no tokenizer (token-id prompts only)")
+
+
+def serve(argv: list[str]):
+    from jaxspec.serve.options import add_serve_args, options_from_args
+    p = ArgumentParser(prog="jaxspec serve", description="An OpenAI-compatible server over one model.")
+    add_server_args(p)
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     add_http_args(p)
     add_engine_args(p)
     add_serve_args(p)

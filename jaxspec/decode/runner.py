@@ -277,10 +277,12 @@ class ModelRunner:
         if self.mirror is not None:
             self.mirror("write_history", slot, list(token_ids))
         for start in range(0, len(token_ids), HISTORY_CHUNK):
-            chunk = token_ids[start:start + HISTORY_CHUNK]
-            ids = np.zeros(HISTORY_CHUNK, np.int32)
-            ids[:len(chunk)] = chunk
-            self.state = self._write_history(self.state, np.int32(slot), ids, np.int32(start), np.int32(len(chunk)))
+            self._write_history_chunk(slot, token_ids[start:start + HISTORY_CHUNK], start)
+
+    def _write_history_chunk(self, slot: int, chunk, start: int):
+        ids = np.zeros(HISTORY_CHUNK, np.int32)
+        ids[:len(chunk)] = chunk
+        self.state = self._write_history(self.state, np.int32(slot), ids, np.int32(start), np.int32(len(chunk)))
 
     def write_logit_bias(self, slot: int, row: np.ndarray):
         """The slot's row of the logit-bias table (`logit_bias_row`): one small dispatch, ordered before the steps
@@ -300,10 +302,7 @@ class ModelRunner:
     def _issue(self, T: int, variant: StepVariant, buf, grammar_table) -> dict:
         """inbox <- buf (the packed host inputs), the step (state and boxes donated), a fresh copy of its
         outputs."""
-        inbox = self._inboxes.pop(T, None)
-        if inbox is None:
-            inbox = jnp.zeros(buf.shape, buf.dtype, device=self.input_sharding)
-        inbox = self._inboxes[T] = self._load_inputs(inbox, buf)
+        inbox = self._load(T, buf)
         outbox = self._outboxes.pop((T, variant), None)
         if outbox is None:
             outbox = self.new_outbox(T, variant)
@@ -312,6 +311,14 @@ class ModelRunner:
                                      *self._table_args(variant, grammar_table))
         self._outboxes[(T, variant)] = outbox
         return self._copy_outputs(outbox)
+
+    def _load(self, T: int, buf) -> jax.Array:
+        """Bucket T's inbox (made on first use) <- buf."""
+        inbox = self._inboxes.pop(T, None)
+        if inbox is None:
+            inbox = jnp.zeros(buf.shape, buf.dtype, device=self.input_sharding)
+        inbox = self._inboxes[T] = self._load_inputs(inbox, buf)
+        return inbox
 
     def new_outbox(self, T: int, variant: StepVariant) -> dict:
         """Device buffers shaped as bucket T's outputs under this variant (the step writes into them)."""
@@ -345,19 +352,14 @@ class ModelRunner:
         on blank data (no row reads it). Left to the first live step, each compiled there: on an H100 the first
         request after warm-up waited ~0.4 s for them."""
         for T in self.token_buckets if buckets is None else buckets:
-            buf = self.new_inputs(T).pack()
-            inbox = self._inboxes.pop(T, None)
-            if inbox is None:
-                inbox = jnp.zeros(buf.shape, buf.dtype, device=self.input_sharding)
-            self._inboxes[T] = self._load_inputs(inbox, buf)
+            self._load(T, self.new_inputs(T).pack())
             for variant in variants:   # placed as a step returns them (committed): a program per placement
                 self._copy_outputs(jax.device_put(self.new_outbox(T, variant), self._box_sharding))
         # the state as the steps leave it (committed to its devices), so the write below compiles for it
         self.state = jax.device_put(self.state, self.state_shardings or self._box_sharding)
-        spare = np.int32(self.step_config.num_slots)   # the state's and the table's row no request holds
-        self.state = self._write_history(self.state, spare, np.zeros(HISTORY_CHUNK, np.int32), np.int32(0),
-                                         np.int32(0))   # no ids: writes nothing
-        self.logit_bias_table = self._write_logit_bias(self.logit_bias_table, spare, logit_bias_row({}))
+        spare = self.step_config.num_slots   # the state's and the table's row no request holds
+        self._write_history_chunk(spare, [], 0)   # no ids: writes nothing
+        self.logit_bias_table = self._write_logit_bias(self.logit_bias_table, np.int32(spare), logit_bias_row({}))
 
     def ready_buckets(self, variants) -> list[int]:
         """Buckets whose programs of every one of these variants are compiled (any tier)."""

@@ -345,24 +345,17 @@ def main(argv: list[str] | None = None):
     import argparse
     import os
     import time
-    from jaxspec.cli import add_engine_args, add_http_args, engine_kwargs, http_options
-    from jaxspec.cli_args import check_engine_config, check_model, check_speculative_config, one_line_errors
+    from jaxspec.cli import (add_engine_args, add_http_args, add_server_args, check_engine_args, engine_kwargs,
+                             http_options)
+    from jaxspec.cli_args import check_model, one_line_errors
     from jaxspec.serve.options import add_serve_args, options_from_args
     p = argparse.ArgumentParser(prog="python -m jaxspec.serve.ray",
                                 description="jaxspec's OpenAI-compatible server, data-parallel on Ray Serve: "
                                             "--num-replicas engines behind one HTTP endpoint.")
-    p.add_argument("model", nargs="?", default="smollm2-135m-instruct",
-                   help="a preset name, a Hugging Face directory or a GGUF file")
+    add_server_args(p)
     p.add_argument("--num-replicas", type=int, default=1, help="engines, each on --tensor-parallel-size devices")
     p.add_argument("--address", default=None, help="the Ray cluster to join (default: $RAY_ADDRESS, else a local "
                                                    "one started here)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--served-model-name", default=None, help="the model id clients send (default: MODEL)")
-    p.add_argument("--api-key", default=os.environ.get("JAXSPEC_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' (default: $JAXSPEC_API_KEY)")
-    p.add_argument("--random-weights", action="store_true",
-                   help="benchmarks: MODEL's shapes with random weights and no tokenizer (token-id prompts only)")
     p.add_argument("--no-prefix-affinity", dest="prefix_affinity", action="store_false",
                    help="route by queue length only (Ray Serve's power-of-two choices), not by prompt prefix")
     p.add_argument("--num-gpus-per-replica", type=float, default=None,
@@ -376,9 +369,7 @@ def main(argv: list[str] | None = None):
         p.error(f"--num-replicas {args.num_replicas} is invalid; give 1 or more")
     with one_line_errors(p.prog):
         check_model(p, "MODEL", args.model, random_weights=args.random_weights)
-        check_engine_config(p, engine_kwargs(args))
-        if args.speculative_config is not None:
-            check_speculative_config(p, args.speculative_config)
+        check_engine_args(p, args)
         try:
             options = options_from_args(args)
         except ValueError as e:
