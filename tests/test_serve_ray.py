@@ -122,3 +122,35 @@ def test_a_replica_killed_mid_run_fails_or_retries_its_requests_and_the_other_ke
     for prompt in (PROMPTS["a"], PROMPTS["b"], [90, 91, 92]):
         r = complete(url, prompt)
         assert r.status_code == 200 and replica(r) != victim, r.text
+
+
+def test_a_replica_sends_a_streams_tokens_in_fewer_chunks_with_stream_batching():
+    """The replica's side alone (no cluster): a streamed completion through JaxspecServer.serve_request, every
+    write sent at once (interval 0) and batched (an interval longer than the whole stream: after the first
+    chunk, one more). The same events arrive either way."""
+    import asyncio
+
+    from jaxspec.serve.ray import ForwardedRequest, JaxspecServer
+    server = JaxspecServer(random_model(0, max_position_embeddings=LONG + 64), MODEL, ENGINE,
+                           stream_batching_interval_ms=0)
+    body = json.dumps({"model": MODEL, "prompt": PROMPTS["a"], "max_tokens": 12, "temperature": 0,
+                       "ignore_eos": True, "stream": True}).encode()
+    request = ForwardedRequest("POST", "/v1/completions", b"", [(b"content-type", b"application/json")], body)
+
+    async def chunks():
+        return [c async for c in server.serve_request(request)]
+
+    def events(chunks):
+        assert chunks[0][0] == "start" and chunks[0][1] == 200
+        lines = b"".join(chunks[1:]).decode().split("\n\n")
+        assert lines[-2] == "data: [DONE]"
+        return [json.loads(line[6:])["choices"][0]["text"] for line in lines[:-2]]
+    try:
+        each = asyncio.run(chunks())
+        server.batching_interval = 60.0
+        batched = asyncio.run(chunks())
+    finally:
+        server.llm.engine.stop()
+    assert len(each) - 1 >= 12                 # a chunk per token (and the end)
+    assert len(batched) - 1 == 2               # the first token's chunk, then the rest in one
+    assert events(batched) == events(each) and len(events(each)) >= 12

@@ -21,15 +21,23 @@ from jaxspec.models.random import random_model
 from jaxspec.sched.engine import Engine, EngineConfig
 
 
-def kernel_breakdown(trace_dir: str, steps: int, top: int = 25):
-    """Sum of device event durations by name, per step, from the profiler's xspace file."""
+COLLECTIVE_KERNELS = ("nccl", "all_reduce", "allreduce", "all_gather", "allgather", "reduce_scatter")
+
+
+def first_gpu_planes(trace_dir: str) -> list:
+    """The trace's planes of the first GPU: with tensor parallelism every device runs the same kernels, and
+    summing every device's would count each kernel once per device."""
     from jax.profiler import ProfileData
     path = sorted(glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True))[-1]
-    data = ProfileData.from_file(path)
+    gpus = [plane for plane in ProfileData.from_file(path).planes if "GPU" in plane.name]
+    return [plane for plane in gpus if plane.name == min(p.name for p in gpus)] if gpus else []
+
+
+def kernel_breakdown(trace_dir: str, steps: int, top: int = 25):
+    """Sum of one device's event durations by name, per step, from the profiler's xspace file; the collectives'
+    share on its own line (with tensor parallelism their time includes waiting for the other devices)."""
     totals, lines_seen, launches = collections.Counter(), set(), 0
-    for plane in data.planes:
-        if "GPU" not in plane.name:
-            continue
+    for plane in first_gpu_planes(trace_dir):
         for line in plane.lines:
             if "Stream" not in line.name and "Kernel" not in line.name:
                 continue
@@ -40,16 +48,19 @@ def kernel_breakdown(trace_dir: str, steps: int, top: int = 25):
     total = sum(totals.values())
     print(f"device lines: {sorted(lines_seen)[:6]}; kernel time per step {total / steps / 1e3:.1f} us, "
           f"{len(totals)} distinct kernels, {launches / steps:.0f} per step")
+    collective = {n: ns for n, ns in totals.items() if any(c in n.lower() for c in COLLECTIVE_KERNELS)}
+    if collective:
+        print(f"collectives: {sum(collective.values()) / steps / 1e3:.1f} us per step over "
+              f"{len(collective)} kernel names")
     for name, ns in totals.most_common(top):
         print(f"  {ns / steps / 1e3:9.1f} us  {100 * ns / max(total, 1):5.1f}%  {name[:110]}")
 
 
 def device_events(trace_dir: str) -> list[tuple[int, int, str]]:
-    """The traced window's device events (kernels and copies), (start_ns, duration_ns, name) in start order."""
-    from jax.profiler import ProfileData
-    path = sorted(glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True))[-1]
-    return sorted((ev.start_ns, ev.duration_ns, ev.name) for plane in ProfileData.from_file(path).planes
-                  if "GPU" in plane.name for line in plane.lines
+    """The traced window's device events (kernels and copies) on the first GPU, (start_ns, duration_ns, name) in
+    start order."""
+    return sorted((ev.start_ns, ev.duration_ns, ev.name) for plane in first_gpu_planes(trace_dir)
+                  for line in plane.lines
                   if "Stream" in line.name or "Kernel" in line.name for ev in line.events)
 
 
@@ -110,6 +121,10 @@ def main():
     p.add_argument("--hlo-dir", help="write each batch's compiled step (optimized HLO text) here")
     p.add_argument("--sequence", type=int, default=0, help="print the first N kernels of a traced step in order")
     p.add_argument("--quantization", choices=["fp8"], help="the engine's quantization (weights quantized on load)")
+    p.add_argument("--replay-only", action="store_true", help="the replayed step and its trace only, not the "
+                   "engine's own loop (one batch after another, each from a fresh engine state)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="devices the model is split over; the "
+                   "breakdowns read the first device's kernels")
     a = p.parse_args()
     if a.attention_splits:
         import jaxspec.pallas.paged_attention as pa
@@ -136,7 +151,8 @@ def main():
     k = a.num_spec_tokens if spec is not None else 0
     engine = Engine(model, EngineConfig(max_num_seqs=max(a.batches), max_model_len=a.max_model_len,
                                         max_num_batched_tokens=256, warmup=False,
-                                        structured_compile_timeout=3600.0, quantization=a.quantization), spec)
+                                        structured_compile_timeout=3600.0, quantization=a.quantization,
+                                        tensor_parallel_size=a.tensor_parallel_size), spec)
     runner = engine.runner
     print(f"argument buffers per step: {runner.argument_buffers()}")
     rows = []
@@ -170,6 +186,18 @@ def main():
             for _ in range(5):
                 out = runner.replay(T)
             jax.block_until_ready(out["tokens"])
+        if a.sequence:
+            kernel_sequence(f"{a.trace_dir}/b{b}", a.sequence)
+        try:
+            kernel_breakdown(f"{a.trace_dir}/b{b}", 5)
+        except Exception as e:  # noqa: BLE001 - the timing table below still stands
+            print(f"no kernel breakdown: {type(e).__name__}: {e}")
+        if a.replay_only:   # the next batch starts from no live rows
+            for r in reqs:
+                engine.abort(r.request_id)
+            while engine.has_unfinished():
+                engine.step()
+            continue
         for async_mode in (True, False):   # the engine's own loop: host planning and reading included
             engine.config.async_scheduling = async_mode
             for _ in range(4):
@@ -198,12 +226,6 @@ def main():
             text = runner.lower(T, *runner.last_variant(T)).compile().as_text()
             with open(f"{a.hlo_dir}/step_b{b}_T{T}.hlo", "w") as f:
                 f.write(text)
-        if a.sequence:
-            kernel_sequence(f"{a.trace_dir}/b{b}", a.sequence)
-        try:
-            kernel_breakdown(f"{a.trace_dir}/b{b}", 5)
-        except Exception as e:  # noqa: BLE001 - the timing table below still stands
-            print(f"no kernel breakdown: {type(e).__name__}: {e}")
     print(f"engine built and compiled in {time.perf_counter() - t0:.1f}s")
     print(f"{'batch':>6}{'T':>5}{'step ms':>10}{'bound ms':>10}{'step/bound':>12}")
     for b, T, s, bd in rows:

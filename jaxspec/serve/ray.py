@@ -7,11 +7,16 @@ The application has Ray Serve LLM's shape, two deployments:
   are `ray_actor_options` (default `{"num_gpus": tensor_parallel_size}`; Ray gives the replica those GPUs through
   CUDA_VISIBLE_DEVICES, and its engine uses them all). Its health check is the engine's: a replica whose engine
   loop died is replaced by Serve.
-- `JaxspecIngress`: takes the HTTP requests and hands each to a replica through a deployment handle, so that the
-  replica is chosen by Ray Serve's request router. With `prefix_affinity` (the default) that is Ray Serve LLM's
+- `JaxspecIngress` (`num_ingress_replicas` of them, by default as many as the servers): takes the HTTP requests
+  and hands each to a replica through a deployment handle, so that the replica is chosen by Ray Serve's request
+  router. With `prefix_affinity` (the default) that is Ray Serve LLM's
   `PrefixCacheAffinityRouter`: requests whose prompt (or chat messages) share a prefix go to the replica that saw
   it, whose prefix cache holds its KV; when nothing matches, to the replica with the least cached text. Without
   it, or where the installed Ray has no such router, Ray Serve's default power-of-two-choices router.
+
+A stream's first chunk goes to the ingress at once; after it, what the app writes is sent at most once per
+`stream_batching_interval_ms` (50 ms, as Ray Serve LLM), in one chunk: each chunk is a Ray object the ingress takes
+in turn, and one per token held two H100s to the throughput of one (docs/performance.md, "Ray Serve").
 
 Each response carries `x-jaxspec-replica` (the replica that answered). A replica that dies while a request runs:
 a request nothing was sent for yet (a whole, non-streamed answer; a stream before its first byte) is sent again to
@@ -53,6 +58,10 @@ DEFAULT_MAX_ONGOING_REQUESTS = 256
 INGRESS_MAX_ONGOING_REQUESTS = 4096
 # Tries of a request whose replica dies before it answers (each on a replica the router still thinks alive).
 ATTEMPTS = 3
+# A stream's chunks after its first are sent at most once per this interval, each carrying what the app wrote since
+# the last (Ray Serve LLM's stream_batching_interval_ms, same default). Every chunk is one Ray object the ingress
+# takes in turn: one per token capped a deployment near 2,000 tokens/s on an H100 pair, whatever the replicas.
+DEFAULT_STREAM_BATCHING_INTERVAL_MS = 50
 HTTP_METHODS = ["GET", "POST", "HEAD", "OPTIONS", "PUT", "DELETE", "PATCH"]
 
 
@@ -119,7 +128,7 @@ class JaxspecServer:
     """One replica: an engine and jaxspec's app over it (see the module's docstring)."""
 
     def __init__(self, model, served_model_name: str, llm_kwargs: dict, http_options=None, options=None,
-                 random_weights: bool = False):
+                 random_weights: bool = False, stream_batching_interval_ms: float = DEFAULT_STREAM_BATCHING_INTERVAL_MS):
         from jaxspec.llm import LLM
         from jaxspec.serve.app import build_app
         if random_weights:
@@ -130,6 +139,7 @@ class JaxspecServer:
         self.llm = LLM(model, **llm_kwargs)
         self.app = build_app(self.llm, served_model_name, http_options=http_options, options=options)
         self.replica = _replica_id()
+        self.batching_interval = stream_batching_interval_ms / 1e3
         self.running: set[asyncio.Task] = set()
         self.llm.engine.start()   # what the app's lifespan does: the replica is the app's server
 
@@ -172,9 +182,12 @@ class JaxspecServer:
                  "raw_path": request.path.encode(), "query_string": request.query_string, "root_path": "",
                  "headers": [(bytes(k), bytes(v)) for k, v in request.headers], "client": None,
                  "server": None, "state": {}}
-        task = asyncio.get_running_loop().create_task(self._run(scope, receive, send, sent))
+        finished = asyncio.Event()
+        task = asyncio.get_running_loop().create_task(self._run(scope, receive, send, sent, finished))
         self.running.add(task)
         task.add_done_callback(self.running.discard)
+        loop = asyncio.get_running_loop()
+        last_chunk = None   # when the last body chunk went: the first goes at once (time to first token)
         try:
             while True:
                 message = await sent.get()
@@ -184,19 +197,39 @@ class JaxspecServer:
                     headers = [(bytes(k), bytes(v)) for k, v in message.get("headers", [])]
                     headers.append((REPLICA_HEADER.encode(), self.replica.encode()))
                     yield ("start", message["status"], headers)
-                elif message["type"] == "http.response.body":
-                    if message.get("body"):
-                        yield message["body"]
-                    if not message.get("more_body", False):
-                        return
+                    continue
+                if message["type"] != "http.response.body":
+                    continue
+                parts, ended = [message.get("body", b"")], not message.get("more_body", False)
+                if not ended and last_chunk is not None and self.batching_interval > 0:
+                    wait = last_chunk + self.batching_interval - loop.time()
+                    if wait > 0:   # until the interval is up, or the app has written all it will
+                        try:
+                            await asyncio.wait_for(finished.wait(), wait)
+                        except asyncio.TimeoutError:
+                            pass
+                    while not ended and not sent.empty():   # what the app wrote meanwhile, in one chunk
+                        message = sent.get_nowait()
+                        if message is None:
+                            ended = True
+                        elif message["type"] == "http.response.body":
+                            parts.append(message.get("body", b""))
+                            ended = not message.get("more_body", False)
+                body = b"".join(parts)
+                if body:
+                    yield body
+                    last_chunk = loop.time()
+                if ended:
+                    return
         finally:
             gone.set()
 
-    async def _run(self, scope, receive, send, sent: asyncio.Queue):
+    async def _run(self, scope, receive, send, sent: asyncio.Queue, finished: asyncio.Event):
         try:
             await self.app(scope, receive, send)
         finally:
             await sent.put(None)
+            finished.set()
 
 
 class JaxspecIngressBase:
@@ -285,7 +318,8 @@ def build_app(model, *, num_replicas: int = 1, served_model_name: str | None = N
               http_options=None, options=None, random_weights: bool = False, ray_actor_options: dict | None = None,
               prefix_affinity: bool = True, router_kwargs: dict | None = None,
               max_ongoing_requests: int = DEFAULT_MAX_ONGOING_REQUESTS, ingress_actor_options: dict | None = None,
-              name: str = "jaxspec"):
+              stream_batching_interval_ms: float = DEFAULT_STREAM_BATCHING_INTERVAL_MS,
+              num_ingress_replicas: int | None = None, name: str = "jaxspec"):
     """The Ray Serve application: `num_replicas` JaxspecServer replicas behind a JaxspecIngress (module docstring).
 
     `model`: a preset, a Hugging Face directory, a GGUF file or a loaded jaxspec Model; `llm_kwargs`: `LLM`'s
@@ -293,7 +327,10 @@ def build_app(model, *, num_replicas: int = 1, served_model_name: str | None = N
     HTTPOptions and jaxspec/serve/options.py's ServeOptions, as `build_app`'s. `ray_actor_options`: each replica's
     resources (default one GPU per tensor-parallel device); `prefix_affinity`: route by prompt prefix (Ray Serve
     LLM's PrefixCacheAffinityRouter) rather than by queue length alone; `router_kwargs`: that router's options
-    (e.g. imbalanced_threshold). Returns the bound application for `serve.run`."""
+    (e.g. imbalanced_threshold); `stream_batching_interval_ms`: a stream's chunks after its first go at most once
+    per interval, each with everything written since (0: every write at once); `num_ingress_replicas`: HTTP-side
+    replicas (default: as many as `num_replicas`, so the front scales with the engines). Returns the bound
+    application for `serve.run`."""
     from ray.serve.config import RequestRouterConfig
     from jaxspec.llm import LLM
     llm_kwargs = dict(llm_kwargs or {})
@@ -306,6 +343,14 @@ def build_app(model, *, num_replicas: int = 1, served_model_name: str | None = N
                          "devices)")
     if not isinstance(max_ongoing_requests, int) or max_ongoing_requests < 1:
         raise ValueError(f"max_ongoing_requests={max_ongoing_requests!r} is invalid; give an int >= 1")
+    if not isinstance(stream_batching_interval_ms, (int, float)) or isinstance(stream_batching_interval_ms, bool) \
+            or not 0 <= stream_batching_interval_ms < float("inf"):
+        raise ValueError(f"stream_batching_interval_ms={stream_batching_interval_ms!r} is invalid; give a number of "
+                         "milliseconds >= 0 (0: every chunk sent at once)")
+    if num_ingress_replicas is None:
+        num_ingress_replicas = num_replicas
+    if not isinstance(num_ingress_replicas, int) or isinstance(num_ingress_replicas, bool) or num_ingress_replicas < 1:
+        raise ValueError(f"num_ingress_replicas={num_ingress_replicas!r} is invalid; give an int >= 1")
     if router_kwargs and not prefix_affinity:
         raise ValueError(f"router_kwargs {sorted(router_kwargs)} are the prefix-aware router's options; they need "
                          "prefix_affinity=True")
@@ -332,8 +377,8 @@ def build_app(model, *, num_replicas: int = 1, served_model_name: str | None = N
     if router is not None:
         server_options["request_router_config"] = router
     server = serve.deployment(JaxspecServer, **server_options).bind(
-        model, served_model_name, llm_kwargs, http_options, options, random_weights)
-    ingress = serve.deployment(JaxspecIngress, name=f"{name}-ingress",
+        model, served_model_name, llm_kwargs, http_options, options, random_weights, stream_batching_interval_ms)
+    ingress = serve.deployment(JaxspecIngress, name=f"{name}-ingress", num_replicas=num_ingress_replicas,
                                ray_actor_options=ingress_actor_options or {"num_cpus": 0},
                                max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS)
     return ingress.bind(server)
@@ -361,12 +406,21 @@ def main(argv: list[str] | None = None):
     p.add_argument("--num-gpus-per-replica", type=float, default=None,
                    help="GPUs Ray reserves for each replica (default: --tensor-parallel-size; 0 on a CPU cluster)")
     p.add_argument("--num-cpus-per-replica", type=float, default=1.0, help="CPUs Ray reserves for each replica")
+    p.add_argument("--num-ingress-replicas", type=int, default=None,
+                   help="HTTP-side replicas that hand requests to the engines (default: --num-replicas)")
+    p.add_argument("--stream-batching-interval-ms", type=float, default=DEFAULT_STREAM_BATCHING_INTERVAL_MS,
+                   help="a stream's chunks after its first go at most once per interval, each with everything "
+                        "written since (0: every token's chunk at once)")
     add_http_args(p)
     add_engine_args(p)
     add_serve_args(p)
     args = p.parse_args(argv)
     if args.num_replicas < 1:
         p.error(f"--num-replicas {args.num_replicas} is invalid; give 1 or more")
+    if args.num_ingress_replicas is not None and args.num_ingress_replicas < 1:
+        p.error(f"--num-ingress-replicas {args.num_ingress_replicas} is invalid; give 1 or more")
+    if not 0 <= args.stream_batching_interval_ms < float("inf"):
+        p.error(f"--stream-batching-interval-ms {args.stream_batching_interval_ms} is invalid; give milliseconds >= 0")
     with one_line_errors(p.prog):
         check_model(p, "MODEL", args.model, random_weights=args.random_weights)
         check_engine_args(p, args)
@@ -384,7 +438,9 @@ def main(argv: list[str] | None = None):
         serve.run(build_app(args.model, num_replicas=args.num_replicas, served_model_name=args.served_model_name,
                             llm_kwargs=engine_kwargs(args), http_options=http_options(args), options=options,
                             random_weights=args.random_weights, prefix_affinity=args.prefix_affinity,
-                            ray_actor_options={"num_gpus": gpus, "num_cpus": args.num_cpus_per_replica}),
+                            ray_actor_options={"num_gpus": gpus, "num_cpus": args.num_cpus_per_replica},
+                            stream_batching_interval_ms=args.stream_batching_interval_ms,
+                            num_ingress_replicas=args.num_ingress_replicas),
                   name="jaxspec", route_prefix="/")
         print(f"jaxspec on Ray Serve: {args.num_replicas} replica(s) of {args.model} at "
               f"http://{args.host}:{args.port}", file=sys.stderr, flush=True)
