@@ -41,7 +41,8 @@ def url():
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         model = random_model(0, max_position_embeddings=LONG + 64)
         serve.run(build_app(model, num_replicas=2, served_model_name=MODEL, llm_kwargs=ENGINE,
-                            ray_actor_options={"num_cpus": 1, "num_gpus": 0}), name="jaxspec", route_prefix="/")
+                            ray_actor_options={"num_cpus": 1, "num_gpus": 0}, metrics_interval_s=0.25),
+                  name="jaxspec", route_prefix="/")
         yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()
@@ -65,9 +66,19 @@ def test_requests_reach_both_replicas_with_prefix_affinity(url):
     assert replica(again) == replica(a) and again.json()["usage"]["completion_tokens"] == 4
     models = httpx.get(f"{url}/v1/models", timeout=TIMEOUT).json()
     assert [m["id"] for m in models["data"]] == [MODEL]
-    metrics = httpx.get(f"{url}/metrics", timeout=TIMEOUT)
-    assert metrics.status_code == 200 and "x-jaxspec-replica" in metrics.headers
-    assert 'vllm:request_success_total{engine="0",finished_reason="length",model_name="tiny"}' in metrics.text
+    # /metrics: both replicas' samples, engine="0" and "1", their finished requests together the 3 sent
+    from prometheus_client.parser import text_string_to_metric_families
+    deadline = time.monotonic() + 10
+    while True:
+        metrics = httpx.get(f"{url}/metrics", timeout=TIMEOUT)
+        assert metrics.status_code == 200, metrics.text
+        success = {s.labels["engine"]: s.value for f in text_string_to_metric_families(metrics.text)
+                   if f.name == "vllm:request_success" for s in f.samples
+                   if s.name.endswith("_total") and s.labels["finished_reason"] == "length"}
+        if sorted(success) == ["0", "1"] and sum(success.values()) == 3 or time.monotonic() > deadline:
+            break
+        time.sleep(0.25)
+    assert sorted(success) == ["0", "1"] and sorted(success.values()) == [1, 2], success
     bad = httpx.post(f"{url}/v1/completions", timeout=TIMEOUT, json={"model": MODEL, "prompt": [1], "max_tokens": 2,
                                                                       "best_of": 3})
     assert bad.status_code == 400 and "best_of" in bad.text   # the replica's own errors come through unchanged

@@ -186,3 +186,63 @@ class ServerMetrics:
     def record_prompts(self, num_tokens: int):
         """An HTTP request ended: its prompts' tokens, each prompt once (its n completions share it)."""
         self.prompt_tokens.labels(self.model_name).inc(num_tokens)
+
+
+# The samples of a family called x: x itself, and a counter's, histogram's or summary's parts.
+SAMPLE_SUFFIXES = ("", "_total", "_created", "_bucket", "_sum", "_count", "_gsum", "_gcount", "_info")
+
+
+def merge_expositions(texts: list[str]) -> str:
+    """Several servers' /metrics (Prometheus text) as one, as vLLM's data-parallel engines export theirs: server
+    i's samples carry `engine="i"` (replacing the `engine` label its vLLM twins have, added to the others), and each
+    family's HELP and TYPE come once, followed by every server's samples of it."""
+    families: dict[str, dict] = {}
+    for i, text in enumerate(texts):
+        family_name, family = "", None
+        for line in text.splitlines():
+            if not line.strip():
+                continue
+            if line.startswith("#"):
+                parts = line.split(None, 3)
+                if len(parts) >= 3 and parts[1] in ("HELP", "TYPE"):
+                    family_name = parts[2]
+                    family = families.setdefault(family_name, {"HELP": None, "TYPE": None, "samples": []})
+                    family[parts[1]] = family[parts[1]] or line
+                continue
+            name = line.split("{")[0].split()[0]
+            if family is None or not any(name == family_name + suffix for suffix in SAMPLE_SUFFIXES):
+                family_name, family = name, families.setdefault(name, {"HELP": None, "TYPE": None, "samples": []})
+            family["samples"].append(_with_engine(line, i))
+    out = []
+    for family in families.values():
+        out += [h for h in (family["HELP"], family["TYPE"]) if h] + family["samples"]
+    return "\n".join(out) + "\n"
+
+
+def _with_engine(sample: str, index: int) -> str:
+    label = f'engine="{index}"'
+    name, brace, rest = sample.partition("{")
+    if not brace:   # name value [timestamp]
+        name, _, value = sample.partition(" ")
+        return f"{name}{{{label}}} {value}"
+    labels, close, value = rest.partition("} ")
+    pairs = [p for p in _split_labels(labels) if not p.startswith("engine=")]
+    return f"{name}{{{','.join(pairs + [label])}}} {value}"
+
+
+def _split_labels(labels: str) -> list[str]:
+    """`a="x",b="y,z"` -> ['a="x"', 'b="y,z"'] (commas and escaped quotes inside values kept)."""
+    pairs, start, quoted, escaped = [], 0, False, False
+    for j, ch in enumerate(labels):
+        if escaped:
+            escaped = False
+        elif ch == "\\":
+            escaped = True
+        elif ch == '"':
+            quoted = not quoted
+        elif ch == "," and not quoted:
+            pairs.append(labels[start:j])
+            start = j + 1
+    if labels[start:].strip():
+        pairs.append(labels[start:])
+    return [p.strip() for p in pairs if p.strip()]

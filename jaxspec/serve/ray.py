@@ -23,8 +23,10 @@ a request nothing was sent for yet (a whole, non-streamed answer; a stream befor
 another replica (ATTEMPTS tries in all); a stream already under way ends with an error event (`data: {"error":
 ...}`, as vLLM's server ends a failed stream) and no `[DONE]`. The others keep serving; Serve starts a replacement.
 
-/metrics (like every GET) is answered by one replica: its engine's metrics, vLLM's names included
-(jaxspec/serve/metrics.py), and the replica in `x-jaxspec-replica`. (Not built yet: one scrape of every replica's.)
+/metrics is every replica's, as vLLM's data-parallel engines export theirs: each replica sends its metrics (vLLM's
+names beside jaxspec's, jaxspec/serve/metrics.py) to a third deployment, `JaxspecMetricsBoard`, every
+`metrics_interval_s` (2 s); a GET /metrics is first answered by one replica (so its key check applies) and then
+carries every live replica's samples, replica i's labelled `engine="i"`.
 
 On shutdown (or a replica's removal) Serve lets a replica's running requests finish for the HTTP options'
 `shutdown_timeout` (`--shutdown-timeout`; Serve's graceful_shutdown_timeout_s), then stops it.
@@ -39,6 +41,8 @@ import inspect
 import json
 import logging
 import sys
+import threading
+import time
 from fastapi import FastAPI, Request
 
 try:
@@ -62,6 +66,8 @@ ATTEMPTS = 3
 # the last (Ray Serve LLM's stream_batching_interval_ms, same default). Every chunk is one Ray object the ingress
 # takes in turn: one per token capped a deployment near 2,000 tokens/s on an H100 pair, whatever the replicas.
 DEFAULT_STREAM_BATCHING_INTERVAL_MS = 50
+# Each replica sends its /metrics to the board this often; a replica silent for three intervals has left it.
+DEFAULT_METRICS_INTERVAL_S = 2.0
 HTTP_METHODS = ["GET", "POST", "HEAD", "OPTIONS", "PUT", "DELETE", "PATCH"]
 
 
@@ -124,11 +130,31 @@ def prefix_router():
     return None
 
 
+class JaxspecMetricsBoard:
+    """Every replica's latest /metrics text, as each replica sends it every `interval_s`; `exposition()` merges
+    those of the live replicas (jaxspec/serve/metrics.py's merge_expositions: replica i's samples carry
+    `engine="i"`, replicas in the order of their ids)."""
+
+    def __init__(self, interval_s: float = DEFAULT_METRICS_INTERVAL_S):
+        self.interval_s = interval_s
+        self.latest: dict[str, tuple[float, str]] = {}   # replica id -> (when it arrived, its text)
+
+    def publish(self, replica: str, text: str):
+        self.latest[replica] = (time.monotonic(), text)
+
+    def exposition(self) -> str:
+        from jaxspec.serve.metrics import merge_expositions
+        now = time.monotonic()
+        self.latest = {r: v for r, v in self.latest.items() if now - v[0] <= 3 * self.interval_s}
+        return merge_expositions([self.latest[r][1] for r in sorted(self.latest)])
+
+
 class JaxspecServer:
     """One replica: an engine and jaxspec's app over it (see the module's docstring)."""
 
     def __init__(self, model, served_model_name: str, llm_kwargs: dict, http_options=None, options=None,
-                 random_weights: bool = False, stream_batching_interval_ms: float = DEFAULT_STREAM_BATCHING_INTERVAL_MS):
+                 random_weights: bool = False, stream_batching_interval_ms: float = DEFAULT_STREAM_BATCHING_INTERVAL_MS,
+                 board=None, metrics_interval_s: float = DEFAULT_METRICS_INTERVAL_S):
         from jaxspec.llm import LLM
         from jaxspec.serve.app import build_app
         if random_weights:
@@ -142,6 +168,23 @@ class JaxspecServer:
         self.batching_interval = stream_batching_interval_ms / 1e3
         self.running: set[asyncio.Task] = set()
         self.llm.engine.start()   # what the app's lifespan does: the replica is the app's server
+        self.stopped = threading.Event()
+        if board is not None:
+            threading.Thread(target=self._publish_metrics, args=(board, metrics_interval_s), daemon=True,
+                             name="jaxspec-metrics").start()
+
+    def _publish_metrics(self, board, interval_s: float):
+        """Sends this replica's /metrics text to the board every interval until the replica stops."""
+        from prometheus_client import generate_latest
+        registry = self.app.state.server.metrics.registry
+        while True:
+            try:
+                board.publish.remote(self.replica, generate_latest(registry).decode()).result(
+                    timeout_s=max(5.0, interval_s))
+            except Exception as e:   # the board restarting: the next interval tries again
+                log.warning("replica %s could not send its metrics: %s", self.replica, e)
+            if self.stopped.wait(interval_s):
+                return
 
     def replica_id(self) -> str:
         return self.replica
@@ -153,6 +196,7 @@ class JaxspecServer:
 
     def __del__(self):
         try:
+            self.stopped.set()
             self.llm.engine.intake.stop_compiling()
             self.llm.engine.stop()
         except Exception:   # shutting down: nothing left to tell
@@ -235,8 +279,9 @@ class JaxspecServer:
 class JaxspecIngressBase:
     """The HTTP side: each request to a replica through the server deployment's handle (its router picks it)."""
 
-    def __init__(self, server):
+    def __init__(self, server, board=None):
         self.server = server.options(stream=True)
+        self.board = board
 
     async def forward(self, request):
         from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -284,6 +329,12 @@ class JaxspecIngressBase:
         if request.method == "HEAD":
             chunks.cancel()
             return Response(status_code=status, headers=dict(headers))
+        if self.board is not None and request.method == "GET" and request.url.path == "/metrics" and status == 200:
+            # the replica answered (and checked the key where /metrics is protected): every replica's metrics
+            chunks.cancel()
+            text = await self.board.exposition.remote()
+            headers = [(k, v) for k, v in headers if k.lower() != REPLICA_HEADER]
+            return Response(text, status_code=200, headers=dict(headers))
         response = StreamingResponse(body_chunks(), status_code=status)
         response.raw_headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers]
         return response
@@ -319,7 +370,8 @@ def build_app(model, *, num_replicas: int = 1, served_model_name: str | None = N
               prefix_affinity: bool = True, router_kwargs: dict | None = None,
               max_ongoing_requests: int = DEFAULT_MAX_ONGOING_REQUESTS, ingress_actor_options: dict | None = None,
               stream_batching_interval_ms: float = DEFAULT_STREAM_BATCHING_INTERVAL_MS,
-              num_ingress_replicas: int | None = None, name: str = "jaxspec"):
+              num_ingress_replicas: int | None = None, metrics_interval_s: float = DEFAULT_METRICS_INTERVAL_S,
+              name: str = "jaxspec"):
     """The Ray Serve application: `num_replicas` JaxspecServer replicas behind a JaxspecIngress (module docstring).
 
     `model`: a preset, a Hugging Face directory, a GGUF file or a loaded jaxspec Model; `llm_kwargs`: `LLM`'s
@@ -329,8 +381,9 @@ def build_app(model, *, num_replicas: int = 1, served_model_name: str | None = N
     LLM's PrefixCacheAffinityRouter) rather than by queue length alone; `router_kwargs`: that router's options
     (e.g. imbalanced_threshold); `stream_batching_interval_ms`: a stream's chunks after its first go at most once
     per interval, each with everything written since (0: every write at once); `num_ingress_replicas`: HTTP-side
-    replicas (default: as many as `num_replicas`, so the front scales with the engines). Returns the bound
-    application for `serve.run`."""
+    replicas (default: as many as `num_replicas`, so the front scales with the engines); `metrics_interval_s`: how
+    often each replica sends its metrics to the board /metrics merges. Returns the bound application for
+    `serve.run`."""
     from ray.serve.config import RequestRouterConfig
     from jaxspec.llm import LLM
     llm_kwargs = dict(llm_kwargs or {})
@@ -351,6 +404,9 @@ def build_app(model, *, num_replicas: int = 1, served_model_name: str | None = N
         num_ingress_replicas = num_replicas
     if not isinstance(num_ingress_replicas, int) or isinstance(num_ingress_replicas, bool) or num_ingress_replicas < 1:
         raise ValueError(f"num_ingress_replicas={num_ingress_replicas!r} is invalid; give an int >= 1")
+    if not isinstance(metrics_interval_s, (int, float)) or isinstance(metrics_interval_s, bool) \
+            or not 0 < metrics_interval_s < float("inf"):
+        raise ValueError(f"metrics_interval_s={metrics_interval_s!r} is invalid; give seconds > 0")
     if router_kwargs and not prefix_affinity:
         raise ValueError(f"router_kwargs {sorted(router_kwargs)} are the prefix-aware router's options; they need "
                          "prefix_affinity=True")
@@ -376,12 +432,15 @@ def build_app(model, *, num_replicas: int = 1, served_model_name: str | None = N
         server_options["graceful_shutdown_timeout_s"] = http_options.shutdown_timeout
     if router is not None:
         server_options["request_router_config"] = router
+    board = serve.deployment(JaxspecMetricsBoard, name=f"{name}-metrics", num_replicas=1,
+                             ray_actor_options={"num_cpus": 0}).bind(metrics_interval_s)
     server = serve.deployment(JaxspecServer, **server_options).bind(
-        model, served_model_name, llm_kwargs, http_options, options, random_weights, stream_batching_interval_ms)
+        model, served_model_name, llm_kwargs, http_options, options, random_weights, stream_batching_interval_ms,
+        board, metrics_interval_s)
     ingress = serve.deployment(JaxspecIngress, name=f"{name}-ingress", num_replicas=num_ingress_replicas,
                                ray_actor_options=ingress_actor_options or {"num_cpus": 0},
                                max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS)
-    return ingress.bind(server)
+    return ingress.bind(server, board)
 
 
 def main(argv: list[str] | None = None):
