@@ -67,13 +67,14 @@ def refused(hf: dict, *patterns: str) -> str:
 
 # ---- sliding windows ------------------------------------------------------------------------------------------
 
-def test_mistral_sliding_window_is_refused_unless_null_or_never_biting():
-    refused(MISTRAL_7B_V01, r"sliding_window=4096", "model_type='mistral'", r"layers 0\.\.31 \(Mistral: all layers\)",
-            "supported: sliding_window null", "max_position_embeddings=32768")
+def test_mistral_sliding_window_is_every_layers_window_unless_null_or_never_biting():
+    assert ModelConfig.from_hf(MISTRAL_7B_V01).sliding_window == 4096
     # absent: transformers' MistralConfig default, 4096, which applies
-    refused({k: v for k, v in MISTRAL_7B_V01.items() if k != "sliding_window"}, "sliding_window=4096")
-    assert ModelConfig.from_hf(MISTRAL_7B_INSTRUCT_V02).arch == "llama"
-    assert ModelConfig.from_hf({**MISTRAL_7B_V01, "sliding_window": 32768}).arch == "llama"   # >= max positions
+    assert ModelConfig.from_hf({k: v for k, v in MISTRAL_7B_V01.items() if k != "sliding_window"}).sliding_window \
+        == 4096
+    assert ModelConfig.from_hf(MISTRAL_7B_INSTRUCT_V02).sliding_window is None
+    assert ModelConfig.from_hf({**MISTRAL_7B_V01, "sliding_window": 32768}).sliding_window is None   # >= positions
+    assert ModelConfig.from_hf(LLAMA31_8B_INSTRUCT).sliding_window is None
 
 
 def test_qwen_sliding_window_only_when_use_sliding_window_and_it_reaches_a_layer():

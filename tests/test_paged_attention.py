@@ -31,6 +31,28 @@ def test_kernel_matches_reference(num_kv_heads, group, head_dim, block_size, num
         np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_kernel_with_a_sliding_window_matches_reference(num_splits):
+    """A 6-key sliding window over 4-token pages: the pages before a token's window are skipped (the splits share
+    what is left) and the window's first page is masked below its start, as the reference's mask; the window bites
+    (the whole-context output differs)."""
+    rng = np.random.default_rng(7)
+    layers, num_blocks, T, R, MB, block_size, window = 2, 24, 9, 4, 5, 4, 6
+    pool = lambda: jnp.asarray(rng.standard_normal((layers, num_blocks * block_size, 2, 16)), jnp.float32)  # noqa: E731
+    k_pool, v_pool = pool(), pool()
+    q = jnp.asarray(rng.standard_normal((T, 6, 16)), jnp.float32)
+    tables = rng.permutation(num_blocks)[:R * MB].reshape(R, MB).astype(np.int32)
+    rows = rng.integers(0, R, T).astype(np.int32)
+    positions = np.array([0, 3, 5, 6, 9, 13, 17, 18, 19], np.int32)
+    batch = ForwardBatch(None, jnp.asarray(positions), None, jnp.asarray(rows), jnp.asarray(tables), None)
+    out = paged_attention(q, k_pool, v_pool, jnp.int32(1), batch.positions, batch.row_of_token, batch.block_tables,
+                          block_size=block_size, num_splits=num_splits, interpret=True, window=window)
+    ref = paged_attention_reference(q, k_pool, v_pool, 1, batch, block_size, window)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5)
+    whole = paged_attention_reference(q, k_pool, v_pool, 1, batch, block_size)
+    assert np.abs(np.asarray(whole) - np.asarray(ref)).max(axis=1)[positions >= window].min() > 1e-2
+
+
 def test_forward_with_kernel_matches_reference_forward():
     """The whole model with the kernel as its attention (Ops) gives the same logits."""
     from jaxspec.models.config import ModelConfig
@@ -103,22 +125,30 @@ def _fused_case(qkv_bias: bool, qk_norm: bool, seed: int = 0, block_size: int = 
     return cfg, lp, qkv, pool(), pool(), batch, bs
 
 
-@pytest.mark.parametrize("qkv_bias,qk_norm,num_splits", [(True, False, None), (False, True, 1)])
-def test_fused_attention_matches_rotary_write_and_attention(qkv_bias, qk_norm, num_splits):
+@pytest.mark.parametrize("qkv_bias,qk_norm,num_splits,window", [(True, False, None, None), (False, True, 1, None),
+                                                                (True, False, None, 3), (False, True, 1, 5)])
+def test_fused_attention_matches_rotary_write_and_attention(qkv_bias, qk_norm, num_splits, window):
     """The kernel with rotary, q/k norms, bias and the KV write inside gives the unfused layer's output and pool:
     keys of this step read from the projection, earlier keys from the pool, padding writing and seeing nothing.
     Layer 1 of two, its weights at index 1 of their stacks. One program per token and kv head (num_splits=1), and
     the 15-token step's default of 8 programs sharing each context (pages split between them, the step's own
-    keys in the last one)."""
+    keys in the last one). With a sliding window (3: inside this step's own keys; 5: across the pool's pages and the
+    step's), the reference's windowed attention."""
+    import dataclasses
+
     from jaxspec.nn.kernels import LayerWeights, fused_attention_fn
     from jaxspec.nn.layers import split_qkv, write_kv
     from jaxspec.nn.ops import rope_cos_sin, rope_inv_freq
     cfg, stacks, qkv, k_pool, v_pool, batch, bs = _fused_case(qkv_bias, qk_norm)
+    cfg = dataclasses.replace(cfg, sliding_window=window)
     layer = 1
     lp = LayerWeights(stacks, layer)
     q, k, v = split_qkv(cfg, lp, qkv, batch.positions)
     kv = write_kv({"k": k_pool, "v": v_pool}, layer, batch, k, v)
-    want = paged_attention_reference(q, kv["k"], kv["v"], layer, batch, bs)
+    want = paged_attention_reference(q, kv["k"], kv["v"], layer, batch, bs, window)
+    if window is not None:   # the window bites
+        whole = paged_attention_reference(q, kv["k"], kv["v"], layer, batch, bs)
+        assert np.abs(np.asarray(whole) - np.asarray(want)).max() > 0.1
     want = jnp.where((batch.slot_mapping < k_pool.shape[1])[:, None], want, 0)   # padding: 0
     cos, sin = rope_cos_sin(batch.positions, rope_inv_freq(cfg))
     out, k_new, v_new = fused_attention_fn(cfg, lp, qkv, cos, sin, k_pool, v_pool, layer, batch, bs, num_splits)

@@ -60,6 +60,9 @@ class ModelConfig:
     # linear GGUF scaling factor is folded in): inv_freq = base_inv_freq / rope_freq_factors. An alternative
     # to `rope_scaling`, never combined with it. A tuple of floats so the config stays hashable.
     rope_freq_factors: tuple[float, ...] | None = None
+    # Sliding-window attention in every attention layer (Mistral): a token attends to its own key and the
+    # sliding_window - 1 before it. None: the whole context.
+    sliding_window: int | None = None
     # The kind of each layer (a key of jaxspec.nn.layers.LAYER_KINDS); None: every layer "attention".
     layer_types: tuple[str, ...] | None = None
     # Hybrids (Qwen3-Next, Qwen3.5): rotary on the first partial_rotary_factor * head_dim dims of each head;
@@ -88,6 +91,9 @@ class ModelConfig:
             raise ValueError(f"unsupported architecture {self.arch!r}; supported: {', '.join(ARCHITECTURES)}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+        if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window < 1):
+            raise ValueError(f"sliding_window={self.sliding_window!r} is invalid; give a number of keys >= 1, or "
+                             "None for the whole context")
         if self.rope_freq_factors is not None:
             factors = tuple(float(f) for f in self.rope_freq_factors)
             object.__setattr__(self, "rope_freq_factors", factors)  # lists (e.g. from JSON) become a tuple
@@ -159,6 +165,8 @@ class ModelConfig:
         extra: dict[str, Any] = {}
         if arch in HYBRID_ARCHITECTURES:
             extra = _hybrid_fields(hf, arch)
+        else:
+            extra["sliding_window"] = _sliding_window(hf, model_type)
         return cls(
             arch=arch,
             vocab_size=hf["vocab_size"],
@@ -264,11 +272,12 @@ def _refuse_unimplemented(hf: dict[str, Any], model_type: str, arch: str) -> Non
         if float(factor) != 1.0:
             raise UnsupportedModelError(f"partial_rotary_factor={factor!r} is not supported for "
                                         f"model_type={model_type!r} (rotary covers the whole head); supported: 1.0")
-        _refuse_sliding_window(hf, model_type)
+        _sliding_window(hf, model_type)
 
 
-def _refuse_sliding_window(hf: dict[str, Any], model_type: str) -> None:
-    """Refuse a sliding window that can bite: jaxspec attends over the whole context. transformers' rules:
+def _sliding_window(hf: dict[str, Any], model_type: str) -> int | None:
+    """The window every layer attends within (Mistral's), or None where none bites; a window elsewhere is refused
+    (jaxspec's window is the model's, every attention layer's; Qwen2/Qwen3's are not tested yet). transformers' rules:
     Mistral applies `sliding_window` (absent: its default 4096) to every layer; Qwen2/Qwen3 only when
     `use_sliding_window` is true, and then to the layers `layer_types` marks "sliding_attention" (absent: layers
     i >= `max_window_layers`, default 28); Llama applies none (a `sliding_window` key is ignored there too, unless
@@ -292,11 +301,14 @@ def _refuse_sliding_window(hf: dict[str, Any], model_type: str) -> None:
     else:
         window, sliding, rule = hf.get("sliding_window"), marked, "layer_types marks them sliding_attention"
     if window is None or window >= max_pos or not sliding:
-        return
+        return None
+    if model_type == "mistral":
+        return int(window)
     layers = f"layers {sliding[0]}..{sliding[-1]}" if sliding == list(range(sliding[0], sliding[-1] + 1)) else \
         f"layers {sliding}"
     raise UnsupportedModelError(
-        f"sliding_window={window} is not supported for model_type={model_type!r}: it applies to {layers} ({rule}) and "
-        f"jaxspec attends over the whole context, so the model would decode wrongly past {window} tokens; supported: "
-        f"sliding_window null" + (" or use_sliding_window false" if model_type in ("qwen2", "qwen3") else "")
+        f"sliding_window={window} is not supported for model_type={model_type!r}: it applies to {layers} ({rule}) "
+        f"and jaxspec applies a sliding window to Mistral's layers only, so the model would decode wrongly past "
+        f"{window} tokens; supported: sliding_window null"
+        + (" or use_sliding_window false" if model_type in ("qwen2", "qwen3") else "")
         + f", or a window of at least max_position_embeddings={max_pos}")

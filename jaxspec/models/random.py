@@ -11,7 +11,7 @@ _LLAMA3_ROPE = tuple(sorted(dict(rope_type="llama3", factor=8.0, low_freq_factor
                                 original_max_position_embeddings=8192).items()))
 
 # The presets' shapes, as their GGUF headers give them, and (for multi-GPU runs, no checkpoint needed) the
-# shapes of Llama 3.1 8B and of Llama 3.2 1B, a draft of the same family and vocabulary.
+# shapes of Llama 3.1 8B and of Llama 3.2 1B, a draft of the same family and vocabulary, and of Mistral 7B.
 KNOWN_SHAPES = {
     "llama-3.1-8b": ModelConfig(
         arch="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
@@ -21,6 +21,10 @@ KNOWN_SHAPES = {
         arch="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32,
         num_kv_heads=8, head_dim=64, rms_norm_eps=1e-5, rope_theta=500000.0, rope_scaling=_LLAMA3_ROPE,
         tie_word_embeddings=True, max_position_embeddings=131072),
+    "mistral-7b": ModelConfig(   # Mistral-7B-v0.1: a 4096-key sliding window on every layer
+        arch="llama", vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
+        num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=32768,
+        sliding_window=4096),
     "smollm2-135m-instruct": ModelConfig(
         arch="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
         num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True,

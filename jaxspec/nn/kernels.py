@@ -80,13 +80,13 @@ def _scales(lp, name: str):
 
 # ---- attention -------------------------------------------------------------------------------------------------
 
-def paged_attention_fn(q, k_pool, v_pool, layer, batch, block_size: int):
+def paged_attention_fn(q, k_pool, v_pool, layer, batch, block_size: int, window: int | None = None):
     """`Ops.attend` over the kernel: q [T, Hq, hd] against layer `layer` of the pools [L, S, Hkv, hd] as the
     ForwardBatch `batch` places each token -> [T, Hq*hd]. Padding tokens (their KV write dropped: slot past the
     pool) get position -1, so their programs visit no page."""
     positions = jnp.where(batch.slot_mapping < k_pool.shape[1], batch.positions, -1)
     return pa.paged_attention(q, k_pool, v_pool, jnp.asarray(layer, jnp.int32), positions, batch.row_of_token,
-                              batch.block_tables, block_size=block_size, num_splits=pa.NUM_SPLITS)
+                              batch.block_tables, block_size=block_size, num_splits=pa.NUM_SPLITS, window=window)
 
 
 def fused_attention_fn(c, lp, qkv, cos, sin, k_pool, v_pool, layer, batch, block_size: int,
@@ -103,7 +103,7 @@ def fused_attention_fn(c, lp, qkv, cos, sin, k_pool, v_pool, layer, batch, block
                                     batch.slot_mapping, batch.first_in_step, batch.row_of_token, batch.block_tables,
                                     bias, q_norm, k_norm, jnp.asarray(weight_layer, jnp.int32),
                                     num_heads=c.num_heads, block_size=block_size, eps=c.rms_norm_eps,
-                                    num_splits=num_splits)
+                                    num_splits=num_splits, window=c.sliding_window)
 
 
 # ---- the gated delta rule --------------------------------------------------------------------------------------

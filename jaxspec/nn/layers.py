@@ -159,7 +159,7 @@ def attend_qkv(c, ops: Ops, lp, qkv, kv: dict, i, batch: ForwardBatch):
         return out, {**kv, "k": k_pool, "v": v_pool}
     q, k, v = split_qkv(c, lp, qkv, batch.positions)
     kv = write_kv(kv, i, batch, k, v)
-    return ops.attend(q, kv["k"], kv["v"], i, batch), kv
+    return ops.attend(q, kv["k"], kv["v"], i, batch, window=c.sliding_window), kv
 
 
 def write_kv(kv: dict, i, batch: ForwardBatch, k, v) -> dict:

@@ -9,6 +9,7 @@ Hq/Hkv query/kv heads of width hd.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 from typing import Any, NamedTuple
@@ -90,10 +91,18 @@ def _attend(q, k, v, mask, scale):
     return o.reshape(q.shape[0], -1)
 
 
-def paged_attention_reference(q, k_pool, v_pool, layer, batch: ForwardBatch, block_size: int):
-    """Each token attends to its own row's blocks up to its position, gathered into a dense context
-    [T, MB*bs, Hkv, hd]: fine for tests and small batches. q [T, Hq, hd]; k/v_pool [L, S, Hkv, hd] (this
-    step's k/v already written) -> [T, Hq*hd]."""
+def in_window(key_positions, positions, window: int | None):
+    """Which keys a token at `positions` sees: those at or before it, and with a sliding window only the
+    `window` - 1 before it too (transformers' sliding-window mask: key > position - window)."""
+    seen = key_positions <= positions
+    return seen if window is None else seen & (key_positions > positions - window)
+
+
+def paged_attention_reference(q, k_pool, v_pool, layer, batch: ForwardBatch, block_size: int,
+                              window: int | None = None):
+    """Each token attends to its own row's blocks up to its position (within `window` keys of it, if given),
+    gathered into a dense context [T, MB*bs, Hkv, hd]: fine for tests and small batches. q [T, Hq, hd];
+    k/v_pool [L, S, Hkv, hd] (this step's k/v already written) -> [T, Hq*hd]."""
     k_cache, v_cache = k_pool[layer], v_pool[layer]
     T, Hq, hd = q.shape
     Hkv = k_cache.shape[1]
@@ -101,15 +110,16 @@ def paged_attention_reference(q, k_pool, v_pool, layer, batch: ForwardBatch, blo
     slots = (tables[:, :, None] * block_size + jnp.arange(block_size)).reshape(T, -1)  # [T, C]
     k = jnp.take(k_cache, slots, axis=0, mode="clip")                             # [T, C, Hkv, hd]
     v = jnp.take(v_cache, slots, axis=0, mode="clip")
-    mask = jnp.arange(slots.shape[1])[None, :] <= batch.positions[:, None]        # [T, C]
+    mask = in_window(jnp.arange(slots.shape[1])[None, :], batch.positions[:, None], window)   # [T, C]
     return _attend(q.reshape(T, Hkv, Hq // Hkv, hd), k, v, mask, 1.0 / math.sqrt(hd))
 
 
-def dense_causal_attention(q, k_pool, v_pool, layer, batch: ForwardBatch, block_size: int):
+def dense_causal_attention(q, k_pool, v_pool, layer, batch: ForwardBatch, block_size: int,
+                           window: int | None = None):
     """One sequence whose token t sits at KV slot t: plain causal attention (no pages)."""
     T, Hq, hd = q.shape
     k, v = k_pool[layer][:T], v_pool[layer][:T]
-    mask = batch.positions[None, :] <= batch.positions[:, None]
+    mask = in_window(batch.positions[None, :], batch.positions[:, None], window)
     return _attend(q.reshape(T, k.shape[1], -1, hd), k, v, mask, 1.0 / math.sqrt(hd))
 
 
@@ -323,15 +333,17 @@ class Ops:
         return (self.fused_attention and self.attention == "pallas" and self.tp is None and pa.NUM_SPLITS == 1
                 and batch.first_in_step is not None)
 
-    def attend(self, q, k_pool, v_pool, layer, batch: ForwardBatch):
-        """q [T, Hq, hd] against the pools [L, S, Hkv, hd] of layer `layer` -> [T, Hq*hd]; under tensor
-        parallelism each device attends with its own heads and KV pages."""
-        fn = self._attend_local if self.tp is None or self.attention == "dense" else self.tp.attention(self._attend_local)
+    def attend(self, q, k_pool, v_pool, layer, batch: ForwardBatch, window: int | None = None):
+        """q [T, Hq, hd] against the pools [L, S, Hkv, hd] of layer `layer` (each token within `window` keys of
+        itself, if given) -> [T, Hq*hd]; under tensor parallelism each device attends with its own heads and KV
+        pages."""
+        local = functools.partial(self._attend_local, window=window)
+        fn = local if self.tp is None or self.attention == "dense" else self.tp.attention(local)
         return fn(q, k_pool, v_pool, layer, batch)
 
-    def _attend_local(self, q, k_pool, v_pool, layer, batch: ForwardBatch):
+    def _attend_local(self, q, k_pool, v_pool, layer, batch: ForwardBatch, window: int | None = None):
         if self.attention == "pallas":
-            return kernels.paged_attention_fn(q, k_pool, v_pool, layer, batch, self.block_size)
+            return kernels.paged_attention_fn(q, k_pool, v_pool, layer, batch, self.block_size, window)
         if self.attention == "dense":
-            return dense_causal_attention(q, k_pool, v_pool, layer, batch, self.block_size)
-        return paged_attention_reference(q, k_pool, v_pool, layer, batch, self.block_size)
+            return dense_causal_attention(q, k_pool, v_pool, layer, batch, self.block_size, window)
+        return paged_attention_reference(q, k_pool, v_pool, layer, batch, self.block_size, window)

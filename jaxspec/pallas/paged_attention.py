@@ -37,7 +37,7 @@ def _next_pow2(x: int) -> int:
 
 def _kernel(layer_ref, pos_ref, row_ref, tables_ref, q_ref, k_ref, v_ref, *out_refs, block_size: int,
             max_blocks: int, scale: float, group: int, q_block_shape: tuple[int, int], pages_per_iter: int,
-            num_splits: int):
+            num_splits: int, window: int | None):
     t, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     layer, pos, row = layer_ref[0], pos_ref[t], row_ref[t]
     rows_q, hd = q_block_shape
@@ -47,10 +47,12 @@ def _kernel(layer_ref, pos_ref, row_ref, tables_ref, q_ref, k_ref, v_ref, *out_r
     q = plgpu.load(q_ref.at[t, pl.ds(h * group, rows_q), :], mask=in_group, other=0.0)
     num_pages = jnp.minimum(pos // block_size + 1, max_blocks)
     keys = pages_per_iter * block_size
-    # This split's share of the iterations over the row's pages (a padding token, position -1, has none).
+    # This split's share of the iterations over the row's pages (a padding token, position -1, has none); with a
+    # sliding window, from the page of the window's first key.
     num_iters = pl.cdiv(num_pages, pages_per_iter)
-    per_split = pl.cdiv(num_iters, num_splits)
-    first = split * per_split
+    lo = 0 if window is None else jnp.maximum(pos - (window - 1), 0) // keys
+    per_split = pl.cdiv(jnp.maximum(num_iters - lo, 0), num_splits)
+    first = lo + split * per_split
     last = jnp.minimum(first + per_split, num_iters)
 
     def pages(j, carry):  # `pages_per_iter` pages (their loads in flight together) per iteration
@@ -63,7 +65,8 @@ def _kernel(layer_ref, pos_ref, row_ref, tables_ref, q_ref, k_ref, v_ref, *out_r
         s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
                                 preferred_element_type=jnp.float32) * scale     # [G16, P*bs]
         key_pos = j * keys + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
-        s = jnp.where(key_pos <= pos, s, -1e30)
+        visible = key_pos <= pos if window is None else (key_pos <= pos) & (key_pos > pos - window)
+        s = jnp.where(visible, s, -1e30)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         correction = jnp.exp(m - m_new)
         p = jnp.exp(s - m_new[:, None])
@@ -122,11 +125,12 @@ def _merge_splits(o, m, l, num_heads: int, dtype, interpret: bool):
                           interpret=interpret, name="merge_splits", **params)(o, m, l)
 
 
-@functools.partial(jax.jit, static_argnames=("block_size", "num_splits", "interpret"))
+@functools.partial(jax.jit, static_argnames=("block_size", "num_splits", "interpret", "window"))
 def paged_attention(q, k_pool, v_pool, layer, positions, row_of_token, block_tables, *, block_size: int,
-                    num_splits: int = 1, interpret: bool | None = None):
+                    num_splits: int = 1, interpret: bool | None = None, window: int | None = None):
     """q [T, Hq, hd]; k_pool/v_pool [L, S, Hkv, hd]; layer: i32 scalar; positions, row_of_token [T];
-    block_tables [R, MB] (-1: no block). Each token attends to its row's keys at positions <= its own.
+    block_tables [R, MB] (-1: no block). Each token attends to its row's keys at positions <= its own (and, with a
+    sliding `window`, > its own - window: the pages before the window are not read).
     num_splits: programs sharing one token's context. -> [T, Hq*hd]."""
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
@@ -147,7 +151,7 @@ def paged_attention(q, k_pool, v_pool, layer, positions, row_of_token, block_tab
         block_tables = jnp.pad(block_tables, ((0, 0), (0, MBp - MB)), constant_values=-1)
     NS = num_splits
     kernel = functools.partial(_kernel, block_size=block_size, max_blocks=MB, scale=hd ** -0.5, group=G,
-                               q_block_shape=(G16, hd), pages_per_iter=P, num_splits=NS)
+                               q_block_shape=(G16, hd), pages_per_iter=P, num_splits=NS, window=window)
     whole = lambda shape: pl.BlockSpec(shape, lambda t, h, s: (0,) * len(shape))  # noqa: E731
     if NS == 1:
         out_shape = [jax.ShapeDtypeStruct((T, q_rows, hd), q.dtype)]
@@ -191,7 +195,7 @@ def paged_attention(q, k_pool, v_pool, layer, positions, row_of_token, block_tab
 def _fused_kernel(layer_ref, wlayer_ref, pos_ref, slot_ref, first_ref, row_ref, tables_ref, qkv_ref, cos_ref,
                   sin_ref, *refs, block_size: int, max_blocks: int, num_kv_slots: int, scale: float, group: int,
                   q_rows: int, chunk: int, pages_per_iter: int, num_splits: int, has_bias: bool, has_norm: bool,
-                  eps: float):
+                  eps: float, window: int | None):
     refs = list(refs)
     bias_ref = refs.pop(0) if has_bias else None
     q_norm_ref, k_norm_ref = (refs.pop(0), refs.pop(0)) if has_norm else (None, None)
@@ -276,7 +280,8 @@ def _fused_kernel(layer_ref, wlayer_ref, pos_ref, slot_ref, first_ref, row_ref, 
         k = tuple(k_ref[layer, blocks, :, h, part].reshape(keys, half) for part in halves)
         v = tuple(v_ref[layer, blocks, :, h, part].reshape(keys, half) for part in halves)
         key_pos = j * keys + jax.lax.broadcasted_iota(jnp.int32, (q_rows, keys), 1)
-        return attend(carry, k, v, key_pos < p0)
+        visible = key_pos < p0 if window is None else (key_pos < p0) & (key_pos > pos - window)
+        return attend(carry, k, v, visible)
 
     # (2) this step's keys, p0 .. pos: the row's tokens first .. t of qkv, `chunk` at a time, rotated here.
     def in_step(j, carry):
@@ -286,14 +291,16 @@ def _fused_kernel(layer_ref, wlayer_ref, pos_ref, slot_ref, first_ref, row_ref, 
         cos, sin = (plgpu.load(ref.at[rows, :], mask=mine, other=0.0) for ref in (cos_ref, sin_ref))
         k = rotate(with_bias(load(qkv_ref, (rows, k_row), mine), pl.ds(k_row, 1)), k_norm_ref, cos, sin)
         v = with_bias(load(qkv_ref, (rows, v_row), mine), pl.ds(v_row, 1))
-        visible = start + jax.lax.broadcasted_iota(jnp.int32, (q_rows, chunk), 1) <= t
+        key_row = start + jax.lax.broadcasted_iota(jnp.int32, (q_rows, chunk), 1)   # at position pos - (t - row)
+        visible = key_row <= t if window is None else (key_row <= t) & (key_row > t - window)
         return attend(carry, k, v, visible)
 
     zeros = jnp.zeros((q_rows, half), jnp.float32)
     carry = (zeros, zeros, jnp.full((q_rows,), -1e30, jnp.float32), jnp.zeros((q_rows,), jnp.float32))
     num_iters = pl.cdiv(num_pages, pages_per_iter)
-    per_split = pl.cdiv(num_iters, num_splits)
-    begin = split * per_split
+    lo = 0 if window is None else jnp.maximum(pos - (window - 1), 0) // keys   # the window's first page group
+    per_split = pl.cdiv(jnp.maximum(num_iters - lo, 0), num_splits)
+    begin = lo + split * per_split
     carry = jax.lax.fori_loop(begin, jnp.maximum(jnp.minimum(begin + per_split, num_iters), begin), pages, carry)
     # (2), this step's own keys, is the last split's share
     in_step_iters = jnp.where((pos >= 0) & (split == num_splits - 1), pl.cdiv(t - first + 1, chunk), 0)
@@ -335,11 +342,11 @@ def _split_pages(num_splits: int, block_size: int) -> int:
     return max(pages, _MIN_ROWS // block_size)
 
 
-@functools.partial(jax.jit, static_argnames=("num_heads", "block_size", "eps", "num_splits", "interpret"))
+@functools.partial(jax.jit, static_argnames=("num_heads", "block_size", "eps", "num_splits", "interpret", "window"))
 def paged_attention_fused(qkv, k_pool, v_pool, layer, cos, sin, positions, slot_mapping, first_in_step,
                           row_of_token, block_tables, bias=None, q_norm=None, k_norm=None, weight_layer=0, *,
                           num_heads: int, block_size: int, eps: float = 1e-6, num_splits: int | None = None,
-                          interpret: bool | None = None):
+                          interpret: bool | None = None, window: int | None = None):
     """Attention with the rotary embedding and the KV write inside, for a step whose rows' tokens are contiguous.
 
     qkv [T, Hkv*(G+2)*hd]: the q/k/v projection (for each kv head its G query heads, then k, then v), before
@@ -347,7 +354,8 @@ def paged_attention_fused(qkv, k_pool, v_pool, layer, cos, sin, positions, slot_
     token's position; positions, slot_mapping (>= S: writes nothing, and the token is padding), first_in_step
     (index in T of the token's row's first token this step), row_of_token [T]; block_tables [R, MB]; bias
     [Lw, Hkv*(G+2)*hd] and q_norm/k_norm [Lw, hd] stacked over layers, this layer's at `weight_layer`;
-    num_splits: programs sharing a token's context (None: `fused_splits(T)`).
+    num_splits: programs sharing a token's context (None: `fused_splits(T)`); window: a sliding window (each token
+    sees the keys at its position and the window - 1 before; the pages before it are not read).
     -> (out [T, Hq*hd], k_pool, v_pool with this step's k/v written)."""
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
@@ -378,7 +386,7 @@ def paged_attention_fused(qkv, k_pool, v_pool, layer, cos, sin, positions, slot_
     kernel = functools.partial(
         _fused_kernel, block_size=block_size, max_blocks=MB, num_kv_slots=S, scale=hd ** -0.5, group=G,
         q_rows=q_rows, chunk=chunk, pages_per_iter=P, num_splits=NS, has_bias=bias is not None,
-        has_norm=q_norm is not None, eps=eps)
+        has_norm=q_norm is not None, eps=eps, window=window)
     whole = lambda shape: pl.BlockSpec(shape, lambda t, h, s: (0,) * len(shape))  # noqa: E731
     ints = [jnp.reshape(layer, (1,)), jnp.reshape(weight_layer, (1,)), positions, slot_mapping, first_in_step,
             row_of_token, block_tables]

@@ -7,6 +7,9 @@ starts with the same tokens reuses it instead of recomputing it. Freed blocks wa
 used order; a cached block there keeps its cache entry until the pool needs it (then it is evicted). A match is
 confirmed by comparing token ids, never by the hash alone.
 
+With a sliding window a request lets go of the blocks behind it as it moves on (`release_before`), so a long
+sequence holds a bounded number of blocks.
+
 `key_overlap` tokens past a block belong to its key when what the block holds depends on them: an EAGLE
 head's KV at position p pairs token p+1 with the target's feature at p, so its blocks are keyed by their tokens
 and the next one.
@@ -14,6 +17,11 @@ and the next one.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+
+
+# A request's block-table entry whose block went back to the pool (behind a sliding window): never read again. The
+# device's tables read it as no block (-1).
+RELEASED = -1
 
 
 def block_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
@@ -61,13 +69,25 @@ class BlockManager:
         """Let go of a request's blocks. Cached ones become the most recently used (the first blocks of a
         sequence last, so its tail is evicted first); the rest are reused first."""
         for block in reversed(block_ids):
-            if self.ref_count[block] <= 0:
-                raise RuntimeError(f"KV block {block} freed more often than it was taken")
-            self.ref_count[block] -= 1
-            if self.ref_count[block] == 0:
-                self.free[block] = None
-                self.free.move_to_end(block, last=block in self.block_key)
+            self._let_go(block)
         block_ids.clear()
+
+    def release_before(self, block_ids: list[int], num_blocks: int):
+        """Let go of the request's first `num_blocks` blocks (no position in them is read again: they are behind
+        a sliding window); their table entries become RELEASED, so positions keep their block index."""
+        for b in range(min(num_blocks, len(block_ids))):
+            self._let_go(block_ids[b])
+            block_ids[b] = RELEASED
+
+    def _let_go(self, block: int):
+        if block == RELEASED:
+            return
+        if self.ref_count[block] <= 0:
+            raise RuntimeError(f"KV block {block} freed more often than it was taken")
+        self.ref_count[block] -= 1
+        if self.ref_count[block] == 0:
+            self.free[block] = None
+            self.free.move_to_end(block, last=block in self.block_key)
 
     def _evict(self, block: int):
         key = self.block_key.pop(block, None)
@@ -116,7 +136,7 @@ class BlockManager:
             tokens = tuple(token_ids[b * bs:(b + 1) * bs + extra])
             h = block_hash(hashes[-1] if hashes else None, tokens)
             block = block_ids[b]
-            if h not in self.cached and block not in self.block_key:
+            if block != RELEASED and h not in self.cached and block not in self.block_key:
                 self.cached[h] = block
                 self.block_key[block] = (h, tokens)
             hashes.append(h)

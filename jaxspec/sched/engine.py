@@ -91,15 +91,18 @@ class Engine:
         caching = self.prefix_cache_disabled_reason is None
         self.blocks = BlockManager(num_blocks, config.block_size, config.max_num_seqs, enable_prefix_caching=caching,
                                    key_overlap=int(drafter is not None and drafter.kv_reads_next_token))
+        windows = [mc.sliding_window] + [c.sliding_window for c in draft_configs]   # each reader of the KV
         self.scheduler = Scheduler(self.blocks, self.step_config, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
-                                   draft_lookahead=drafter is not None and drafter.needs_kv_lookahead)
+                                   draft_lookahead=drafter is not None and drafter.needs_kv_lookahead,
+                                   kv_window=None if None in windows else max(windows))
         eos = self.tokenizer.eos_token_ids if self.tokenizer is not None else mc.eos_token_ids
         self.intake = Intake(vocab_size=mc.vocab_size, eos_token_ids=eos, tokenizer=self.tokenizer,
                              step_config=self.step_config, num_kv_blocks=num_blocks,
                              draft_lookahead=self.scheduler.draft_lookahead, share_prompt_blocks=caching,
                              compile_timeout=config.structured_compile_timeout,
-                             compile_memory=config.structured_compile_memory, seed=config.seed)
+                             compile_memory=config.structured_compile_memory, seed=config.seed,
+                             window_tokens=self._window_tokens(config))
         # The device table of the automata running requests use (structured outputs).
         self.grammar_tables = GrammarTables(mc.vocab_size, self.runner.input_sharding)
         # Adaptive speculation: the host picks each step's k (jaxspec.sched.adaptive); None: always K.
@@ -187,6 +190,17 @@ class Engine:
         return self.counts.counters
 
     # ---- requests ----------------------------------------------------------------------------------
+    def _window_tokens(self, config) -> int | None:
+        """With blocks released behind a sliding window: the most positions a request holds blocks for at once.
+        The window's keys before a step, that step's tokens and the next one's, planned before the first is read
+        (a chunk each, at most), the drafts in flight, and a block at each end."""
+        window = self.scheduler.kv_window
+        if window is None:
+            return None
+        k = self.step_config.num_speculative_tokens
+        return window + 2 * config.max_num_batched_tokens + 2 * k + self.scheduler.draft_lookahead \
+            + 2 * config.block_size
+
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,
                     request_id: str | None = None, outputs=None) -> Request:
         """Queues a request (checked first: a ValueError queues nothing). `outputs`: a queue that receives the
@@ -355,6 +369,7 @@ class Engine:
         updated = []
         for row in live:
             self.scheduler.cache_confirmed(row)
+            self.scheduler.release_behind_window(row)
             if row.sample:
                 req = row.request
                 if req.finish_reason:

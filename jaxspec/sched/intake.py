@@ -27,8 +27,10 @@ from jaxspec.structured.params import StructuredOutputsParams
 class Intake:
     def __init__(self, *, vocab_size: int, eos_token_ids, tokenizer, step_config, num_kv_blocks: int,
                  draft_lookahead: int, share_prompt_blocks: bool, compile_timeout: float, seed: int,
-                 compile_memory: float = 2.0):
+                 compile_memory: float = 2.0, window_tokens: int | None = None):
         self.vocab_size, self.eos_token_ids, self.tokenizer = vocab_size, tuple(eos_token_ids), tokenizer
+        # With a sliding window: the most positions a request holds blocks for at once, whatever its length.
+        self.window_tokens = window_tokens
         self.step_config, self.num_kv_blocks, self.draft_lookahead = step_config, num_kv_blocks, draft_lookahead
         self.share_prompt_blocks = share_prompt_blocks   # prefix caching on: a group's completions share the prompt
         self.compile_timeout, self.compile_memory = compile_timeout, compile_memory
@@ -76,8 +78,10 @@ class Intake:
         if n + max(1, params.min_tokens) > sc.max_model_len:
             raise ValueError(f"the prompt has {n} tokens and min_tokens={params.min_tokens}: more than "
                              f"max_model_len={sc.max_model_len} allows (prompt + max(1, min_tokens) <= max_model_len)")
-        # Alone in the pool, a request must reach its end: prompt + max_tokens (+ drafts in flight).
-        need = min(n + params.max_tokens + sc.num_speculative_tokens + self.draft_lookahead, sc.max_model_len)
+        # Alone in the pool, a request must reach its end: prompt + max_tokens (+ drafts in flight), or under a
+        # sliding window what it holds at once.
+        need = min(n + params.max_tokens + sc.num_speculative_tokens + self.draft_lookahead, sc.max_model_len,
+                   self.window_tokens or sc.max_model_len)
         if -(-need // sc.block_size) > self.num_kv_blocks:
             raise ValueError(f"the prompt has {n} tokens and max_tokens={params.max_tokens}: that can never fit the "
                              f"KV pool of {self.num_kv_blocks} blocks x {sc.block_size} tokens; raise "

@@ -29,7 +29,7 @@ class ScheduledRow:
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, step_config, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 draft_lookahead: bool = False):
+                 draft_lookahead: bool = False, kv_window: int | None = None):
         self.blocks = blocks
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -38,6 +38,9 @@ class Scheduler:
         # A drafter with its own KV writes up to k positions past what the target verifies while it
         # proposes; decode rows reserve blocks for those too.
         self.draft_lookahead = step_config.num_speculative_tokens if draft_lookahead else 0
+        # The sliding window of every model that reads the KV pools (the widest), or None: the whole context
+        # is read and no block is released before its request ends.
+        self.kv_window = kv_window
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -152,6 +155,19 @@ class Scheduler:
         if num_final // self.blocks.block_size > len(req.block_hashes):
             tokens = req.prompt_token_ids + req.output_token_ids
             self.blocks.cache_blocks(req.block_ids, tokens, req.block_hashes, num_final)
+
+    def release_behind_window(self, row: ScheduledRow):
+        """After `cache_confirmed`: with a sliding window, the request's blocks wholly before the window of the next
+        position it computes go back to the pool. No later query reads them: every step dispatched after the read
+        one, and the one in flight, computes from that position on (the device's own count, never below what the
+        read step confirmed); a step that reuses a released block for another request runs after those."""
+        req = row.request
+        if self.kv_window is None or req.status is not Status.RUNNING:
+            return
+        next_position = req.num_tokens - 1 if row.sample else row.start + row.num_new
+        first_key = next_position - self.kv_window + 1
+        if first_key >= self.blocks.block_size:
+            self.blocks.release_before(req.block_ids, first_key // self.blocks.block_size)
 
     def _reserve(self, req: Request, num_tokens: int, rows: list[ScheduledRow]) -> bool:
         """Blocks for `num_tokens`; preempts the newest running requests not in `rows` (this step's so far)
