@@ -78,17 +78,20 @@ def test_mistral_sliding_window_is_every_layers_window_unless_null_or_never_biti
 
 
 def test_qwen_sliding_window_only_when_use_sliding_window_and_it_reaches_a_layer():
-    assert ModelConfig.from_hf(QWEN25_05B_INSTRUCT).arch == "qwen2"          # use_sliding_window false: unused
+    def window(hf):
+        c = ModelConfig.from_hf(hf)
+        return c.sliding_window, c.sliding_layers
+    assert window(QWEN25_05B_INSTRUCT) == (None, None)                        # use_sliding_window false: unused
     on = {**QWEN25_05B_INSTRUCT, "use_sliding_window": True, "sliding_window": 4096}
-    refused(on, "sliding_window=4096", "model_type='qwen2'", r"layers 21\.\.23", "use_sliding_window false")
-    ModelConfig.from_hf({**on, "max_window_layers": 24})                       # no layer at or past 24: no window
-    ModelConfig.from_hf({**on, "sliding_window": 32768})                       # never bites
+    assert window(on) == (4096, (False,) * 21 + (True,) * 3)                  # layers >= max_window_layers (21)
+    assert window({**on, "max_window_layers": 24}) == (None, None)            # no layer at or past 24
+    assert window({**on, "sliding_window": 32768}) == (None, None)            # never bites
     full, one_sliding = ["full_attention"] * 24, ["full_attention"] * 23 + ["sliding_attention"]
-    ModelConfig.from_hf({**on, "layer_types": full})                           # layer_types over max_window_layers
-    refused({**on, "layer_types": one_sliding}, "sliding_window=4096", r"layers 23\.\.23")
-    ModelConfig.from_hf({**QWEN25_05B_INSTRUCT, "layer_types": one_sliding})  # use_sliding_window false: no window
-    refused({**QWEN3_8B, "use_sliding_window": True, "sliding_window": 4096, "max_window_layers": 0},
-            "sliding_window=4096", "model_type='qwen3'")
+    assert window({**on, "layer_types": full}) == (None, None)               # layer_types over max_window_layers
+    assert window({**on, "layer_types": one_sliding}) == (4096, (False,) * 23 + (True,))
+    assert window({**QWEN25_05B_INSTRUCT, "layer_types": one_sliding}) == (None, None)   # use_sliding_window false
+    assert window({**QWEN3_8B, "use_sliding_window": True, "sliding_window": 4096, "max_window_layers": 0}) \
+        == (4096, None)                                                       # every layer
     assert ModelConfig.from_hf(QWEN3_8B).arch == "qwen3"
 
 

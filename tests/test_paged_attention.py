@@ -134,13 +134,10 @@ def test_fused_attention_matches_rotary_write_and_attention(qkv_bias, qk_norm, n
     the 15-token step's default of 8 programs sharing each context (pages split between them, the step's own
     keys in the last one). With a sliding window (3: inside this step's own keys; 5: across the pool's pages and the
     step's), the reference's windowed attention."""
-    import dataclasses
-
     from jaxspec.nn.kernels import LayerWeights, fused_attention_fn
     from jaxspec.nn.layers import split_qkv, write_kv
     from jaxspec.nn.ops import rope_cos_sin, rope_inv_freq
     cfg, stacks, qkv, k_pool, v_pool, batch, bs = _fused_case(qkv_bias, qk_norm)
-    cfg = dataclasses.replace(cfg, sliding_window=window)
     layer = 1
     lp = LayerWeights(stacks, layer)
     q, k, v = split_qkv(cfg, lp, qkv, batch.positions)
@@ -151,7 +148,8 @@ def test_fused_attention_matches_rotary_write_and_attention(qkv_bias, qk_norm, n
         assert np.abs(np.asarray(whole) - np.asarray(want)).max() > 0.1
     want = jnp.where((batch.slot_mapping < k_pool.shape[1])[:, None], want, 0)   # padding: 0
     cos, sin = rope_cos_sin(batch.positions, rope_inv_freq(cfg))
-    out, k_new, v_new = fused_attention_fn(cfg, lp, qkv, cos, sin, k_pool, v_pool, layer, batch, bs, num_splits)
+    out, k_new, v_new = fused_attention_fn(cfg, lp, qkv, cos, sin, k_pool, v_pool, layer, batch, bs, num_splits,
+                                           window=window)
     np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=2e-5, atol=2e-5)
     np.testing.assert_allclose(np.asarray(k_new), np.asarray(kv["k"]), rtol=1e-6, atol=1e-6)
     np.testing.assert_array_equal(np.asarray(v_new), np.asarray(kv["v"]))

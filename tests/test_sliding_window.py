@@ -1,4 +1,4 @@
-"""Mistral's sliding-window attention (issue #39): a tiny random Mistral checkpoint written by transformers with an
+"""Sliding-window attention (issue #39). Mistral's: a tiny random Mistral checkpoint written by transformers with an
 8-key window, shorter than the prompts, so that the window bites. Logits (the dense path) within the float32
 rounding of transformers', and far from them without the window; greedy generations through the engine, with the
 reference attention and with the Pallas kernels (fused and unfused, interpreted), equal to transformers' `generate`
@@ -133,3 +133,43 @@ def test_blocks_behind_the_window_are_released_and_tokens_stay_exact(mistral_dir
     assert llm.stats()["num_preemptions"] > 0
     # without the release a request would hold a block per bs positions: (21 + 36) / 4 of them
     assert max(len(r.prompt_token_ids) + LONG for r in reqs) // bs > 2 * most_held
+
+
+# ---- Qwen2's window on some layers only ------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def qwen2_mixed(tmp_path_factory):
+    """A tiny Qwen2 with use_sliding_window: layer 0 attends over the whole context, layer 1 within 8 keys."""
+    import torch
+    import transformers
+    path = tmp_path_factory.mktemp("qwen2_mixed")
+    config = transformers.Qwen2Config(**TINY_DIMS, use_sliding_window=True, sliding_window=WINDOW,
+                                      max_window_layers=1, tie_word_embeddings=False)
+    assert config.layer_types == ["full_attention", "sliding_attention"]
+    torch.manual_seed(1)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    randomize_(model, 1)
+    model.save_pretrained(str(path), safe_serialization=True)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    with torch.no_grad():
+        refs = [hf.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False, num_beams=1,
+                            pad_token_id=0, eos_token_id=None)[0, len(p):].tolist() for p in PROMPTS]
+        token_ids = np.random.default_rng(1).integers(0, 256, 30)
+        logits = hf(torch.tensor([token_ids.tolist()])).logits[0].double().numpy()
+    return path, refs, token_ids, logits
+
+
+def test_a_window_on_some_layers_matches_transformers(qwen2_mixed, monkeypatch):
+    """Each layer its own window (scanned layers pick it by index, unrolled ones see it static): logits, and greedy
+    tokens with the reference attention and the fused Pallas kernel. A layer reads the whole context: no block is
+    released."""
+    path, refs, token_ids, logits = qwen2_mixed
+    model = load_model(path, dtype="float32")
+    assert model.config.sliding_window == WINDOW and model.config.sliding_layers == (False, True)
+    assert relative_error(model.score(token_ids), logits) <= TOLERANCE
+    every = dataclasses.replace(model, config=dataclasses.replace(model.config, sliding_layers=None))
+    assert relative_error(every.score(token_ids), logits) > 1e-2      # which layers have it matters
+    for attention, unroll in (("reference", True), ("pallas", False)):
+        llm = LLM(model, **ENGINE, attention=attention, unroll_layers=unroll)
+        assert llm.engine.scheduler.kv_window is None
+        assert generate(llm) == refs, attention

@@ -60,9 +60,11 @@ class ModelConfig:
     # linear GGUF scaling factor is folded in): inv_freq = base_inv_freq / rope_freq_factors. An alternative
     # to `rope_scaling`, never combined with it. A tuple of floats so the config stays hashable.
     rope_freq_factors: tuple[float, ...] | None = None
-    # Sliding-window attention in every attention layer (Mistral): a token attends to its own key and the
-    # sliding_window - 1 before it. None: the whole context.
+    # Sliding-window attention: a token attends to its own key and the sliding_window - 1 before it. None: the
+    # whole context. In every attention layer (Mistral), or in those `sliding_layers` marks (Qwen2/Qwen3's
+    # use_sliding_window: layers from max_window_layers on, or as their layer_types say).
     sliding_window: int | None = None
+    sliding_layers: tuple[bool, ...] | None = None
     # The kind of each layer (a key of jaxspec.nn.layers.LAYER_KINDS); None: every layer "attention".
     layer_types: tuple[str, ...] | None = None
     # Hybrids (Qwen3-Next, Qwen3.5): rotary on the first partial_rotary_factor * head_dim dims of each head;
@@ -94,6 +96,12 @@ class ModelConfig:
         if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window < 1):
             raise ValueError(f"sliding_window={self.sliding_window!r} is invalid; give a number of keys >= 1, or "
                              "None for the whole context")
+        if self.sliding_layers is not None:
+            object.__setattr__(self, "sliding_layers", tuple(bool(x) for x in self.sliding_layers))
+            if len(self.sliding_layers) != self.num_layers or self.sliding_window is None:
+                raise ValueError(f"sliding_layers has {len(self.sliding_layers)} entries (one per layer: "
+                                 f"{self.num_layers}) and needs sliding_window; got sliding_window="
+                                 f"{self.sliding_window!r}")
         if self.rope_freq_factors is not None:
             factors = tuple(float(f) for f in self.rope_freq_factors)
             object.__setattr__(self, "rope_freq_factors", factors)  # lists (e.g. from JSON) become a tuple
@@ -102,6 +110,19 @@ class ModelConfig:
                                  f"{self.head_dim // 2}")
             if self.rope_scaling is not None:
                 raise ValueError("rope_freq_factors and rope_scaling are alternatives; set only one")
+
+    @property
+    def kv_window(self) -> int | None:
+        """The window every layer reads its KV within, or None where some layer reads the whole context."""
+        if self.sliding_window is None or (self.sliding_layers is not None and not all(self.sliding_layers)):
+            return None
+        return self.sliding_window
+
+    def layer_window(self, layer: int) -> int | None:
+        """Layer `layer`'s sliding window, or None."""
+        if self.sliding_window is None or (self.sliding_layers is not None and not self.sliding_layers[layer]):
+            return None
+        return self.sliding_window
 
     @property
     def qkv_bias(self) -> bool:
@@ -166,7 +187,7 @@ class ModelConfig:
         if arch in HYBRID_ARCHITECTURES:
             extra = _hybrid_fields(hf, arch)
         else:
-            extra["sliding_window"] = _sliding_window(hf, model_type)
+            extra["sliding_window"], extra["sliding_layers"] = _sliding_window(hf, model_type)
         return cls(
             arch=arch,
             vocab_size=hf["vocab_size"],
@@ -275,9 +296,9 @@ def _refuse_unimplemented(hf: dict[str, Any], model_type: str, arch: str) -> Non
         _sliding_window(hf, model_type)
 
 
-def _sliding_window(hf: dict[str, Any], model_type: str) -> int | None:
-    """The window every layer attends within (Mistral's), or None where none bites; a window elsewhere is refused
-    (jaxspec's window is the model's, every attention layer's; Qwen2/Qwen3's are not tested yet). transformers' rules:
+def _sliding_window(hf: dict[str, Any], model_type: str) -> tuple[int | None, tuple[bool, ...] | None]:
+    """(the window, which layers attend within it: None for every layer), or (None, None) where none bites; a
+    window on the layers of another model type is refused. transformers' rules:
     Mistral applies `sliding_window` (absent: its default 4096) to every layer; Qwen2/Qwen3 only when
     `use_sliding_window` is true, and then to the layers `layer_types` marks "sliding_attention" (absent: layers
     i >= `max_window_layers`, default 28); Llama applies none (a `sliding_window` key is ignored there too, unless
@@ -301,14 +322,13 @@ def _sliding_window(hf: dict[str, Any], model_type: str) -> int | None:
     else:
         window, sliding, rule = hf.get("sliding_window"), marked, "layer_types marks them sliding_attention"
     if window is None or window >= max_pos or not sliding:
-        return None
-    if model_type == "mistral":
-        return int(window)
+        return None, None
+    if model_type in ("mistral", "qwen2", "qwen3"):
+        return int(window), None if len(sliding) == n else tuple(i in sliding for i in range(n))
     layers = f"layers {sliding[0]}..{sliding[-1]}" if sliding == list(range(sliding[0], sliding[-1] + 1)) else \
         f"layers {sliding}"
     raise UnsupportedModelError(
         f"sliding_window={window} is not supported for model_type={model_type!r}: it applies to {layers} ({rule}) "
-        f"and jaxspec applies a sliding window to Mistral's layers only, so the model would decode wrongly past "
+        f"and jaxspec applies sliding windows to Mistral, Qwen2 and Qwen3 only, so the model would decode wrongly past "
         f"{window} tokens; supported: sliding_window null"
-        + (" or use_sliding_window false" if model_type in ("qwen2", "qwen3") else "")
         + f", or a window of at least max_position_embeddings={max_pos}")

@@ -90,10 +90,11 @@ def paged_attention_fn(q, k_pool, v_pool, layer, batch, block_size: int, window:
 
 
 def fused_attention_fn(c, lp, qkv, cos, sin, k_pool, v_pool, layer, batch, block_size: int,
-                       num_splits: int | None = None):
+                       num_splits: int | None = None, window=None):
     """`attend_qkv` over the fused kernel: the layer's q/k/v projection qkv [T, Hkv*(G+2)*hd] (before bias, norms
     and rotary), cos/sin f32 [T, hd/2] of each token's rotary angles, the pools [L, S, Hkv, hd] and the batch
-    (whose `first_in_step` is set) -> (out [T, Hq*hd], k_pool, v_pool with this step's k/v written)."""
+    (whose `first_in_step` is set); `window`: the layer's sliding window (an int or i32 scalar) or None
+    -> (out [T, Hq*hd], k_pool, v_pool with this step's k/v written)."""
     # the layer's bias and q/k norms as whole stacks and its index in them (a sliced weight would be copied)
     names = ("qkv_bias", "q_norm", "k_norm")
     stacks = {name: stacked(lp, name) for name in names if name in lp}
@@ -103,7 +104,7 @@ def fused_attention_fn(c, lp, qkv, cos, sin, k_pool, v_pool, layer, batch, block
                                     batch.slot_mapping, batch.first_in_step, batch.row_of_token, batch.block_tables,
                                     bias, q_norm, k_norm, jnp.asarray(weight_layer, jnp.int32),
                                     num_heads=c.num_heads, block_size=block_size, eps=c.rms_norm_eps,
-                                    num_splits=num_splits, window=c.sliding_window)
+                                    num_splits=num_splits, window=window)
 
 
 # ---- the gated delta rule --------------------------------------------------------------------------------------

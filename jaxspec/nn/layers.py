@@ -155,11 +155,27 @@ def attend_qkv(c, ops: Ops, lp, qkv, kv: dict, i, batch: ForwardBatch):
     if ops.fuses_kv_write(batch):
         cos, sin = rope_cos_sin(batch.positions, rope_inv_freq(c))                         # [T, hd/2]
         out, k_pool, v_pool = kernels.fused_attention_fn(c, lp, qkv, cos, sin, kv["k"], kv["v"], i, batch,
-                                                         ops.block_size)
+                                                         ops.block_size, window=layer_window(c, i))
         return out, {**kv, "k": k_pool, "v": v_pool}
     q, k, v = split_qkv(c, lp, qkv, batch.positions)
     kv = write_kv(kv, i, batch, k, v)
-    return ops.attend(q, kv["k"], kv["v"], i, batch, window=c.sliding_window), kv
+    return ops.attend(q, kv["k"], kv["v"], i, batch, window=layer_window(c, i)), kv
+
+
+# A window no position is that far from: a layer without one, where layers with and without share one program.
+NO_WINDOW = 1 << 30
+
+
+def layer_window(c, i):
+    """Layer i's sliding window: None (the whole context, every layer), the window (a Python int: every layer
+    has it, or i is static: unrolled layers), or an i32 scalar picked from the layers' windows (scanned layers)."""
+    if c.sliding_window is None:
+        return None
+    if c.sliding_layers is None:
+        return c.sliding_window
+    if isinstance(i, int):
+        return c.layer_window(i)
+    return jnp.asarray([c.sliding_window if s else NO_WINDOW for s in c.sliding_layers], jnp.int32)[i]
 
 
 def write_kv(kv: dict, i, batch: ForwardBatch, k, v) -> dict:

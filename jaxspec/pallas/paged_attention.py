@@ -35,11 +35,12 @@ def _next_pow2(x: int) -> int:
     return 1 if x <= 1 else 1 << (x - 1).bit_length()
 
 
-def _kernel(layer_ref, pos_ref, row_ref, tables_ref, q_ref, k_ref, v_ref, *out_refs, block_size: int,
+def _kernel(layer_ref, window_ref, pos_ref, row_ref, tables_ref, q_ref, k_ref, v_ref, *out_refs, block_size: int,
             max_blocks: int, scale: float, group: int, q_block_shape: tuple[int, int], pages_per_iter: int,
-            num_splits: int, window: int | None):
+            num_splits: int, has_window: bool):
     t, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     layer, pos, row = layer_ref[0], pos_ref[t], row_ref[t]
+    window = window_ref[0] if has_window else None
     rows_q, hd = q_block_shape
     # This kv head's G query heads, read straight from q [T, Hq, hd]: rows past G are masked, so q needs
     # no padded copy and the output no slice.
@@ -90,6 +91,11 @@ def _kernel(layer_ref, pos_ref, row_ref, tables_ref, q_ref, k_ref, v_ref, *out_r
         plgpu.store(l_ref.at[t, split, pl.ds(h * group, rows_q)], l, mask=in_group_rows)
 
 
+def _window_input(window):
+    """The sliding window as the kernels read it: an i32 [1] (unread without a window)."""
+    return jnp.reshape(jnp.asarray(0 if window is None else window, jnp.int32), (1,))
+
+
 def _merge_splits_reference(o, m, l):
     """o [T, S, H, hd] (each split normalized by its own sum), m, l [T, S, H] -> [T, H, hd] f32."""
     weight = l * jnp.exp(m - jnp.max(m, axis=1, keepdims=True))          # [T, S, H]; empty splits weigh 0
@@ -125,12 +131,12 @@ def _merge_splits(o, m, l, num_heads: int, dtype, interpret: bool):
                           interpret=interpret, name="merge_splits", **params)(o, m, l)
 
 
-@functools.partial(jax.jit, static_argnames=("block_size", "num_splits", "interpret", "window"))
+@functools.partial(jax.jit, static_argnames=("block_size", "num_splits", "interpret"))
 def paged_attention(q, k_pool, v_pool, layer, positions, row_of_token, block_tables, *, block_size: int,
-                    num_splits: int = 1, interpret: bool | None = None, window: int | None = None):
+                    num_splits: int = 1, interpret: bool | None = None, window=None):
     """q [T, Hq, hd]; k_pool/v_pool [L, S, Hkv, hd]; layer: i32 scalar; positions, row_of_token [T];
     block_tables [R, MB] (-1: no block). Each token attends to its row's keys at positions <= its own (and, with a
-    sliding `window`, > its own - window: the pages before the window are not read).
+    sliding `window`, an i32 scalar, > its own - window: the pages before the window are not read).
     num_splits: programs sharing one token's context. -> [T, Hq*hd]."""
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
@@ -151,7 +157,7 @@ def paged_attention(q, k_pool, v_pool, layer, positions, row_of_token, block_tab
         block_tables = jnp.pad(block_tables, ((0, 0), (0, MBp - MB)), constant_values=-1)
     NS = num_splits
     kernel = functools.partial(_kernel, block_size=block_size, max_blocks=MB, scale=hd ** -0.5, group=G,
-                               q_block_shape=(G16, hd), pages_per_iter=P, num_splits=NS, window=window)
+                               q_block_shape=(G16, hd), pages_per_iter=P, num_splits=NS, has_window=window is not None)
     whole = lambda shape: pl.BlockSpec(shape, lambda t, h, s: (0,) * len(shape))  # noqa: E731
     if NS == 1:
         out_shape = [jax.ShapeDtypeStruct((T, q_rows, hd), q.dtype)]
@@ -163,14 +169,15 @@ def paged_attention(q, k_pool, v_pool, layer, positions, row_of_token, block_tab
     outs = pl.pallas_call(
         kernel,
         grid=(T, Hkv, NS),
-        in_specs=[whole((1,)), whole((T,)), whole((T,)), whole((R, MBp)),
+        in_specs=[whole((1,)), whole((1,)), whole((T,)), whole((T,)), whole((R, MBp)),
                   whole((T, q_rows, hd)), whole(pages), whole(pages)],
         out_specs=[whole(o.shape) for o in out_shape],
         out_shape=out_shape,
         interpret=interpret,
         name="paged_attention",
         **params,
-    )(jnp.reshape(layer, (1,)).astype(jnp.int32), positions.astype(jnp.int32), row_of_token.astype(jnp.int32),
+    )(jnp.reshape(layer, (1,)).astype(jnp.int32), _window_input(window), positions.astype(jnp.int32),
+      row_of_token.astype(jnp.int32),
       block_tables.astype(jnp.int32), jnp.pad(q, ((0, 0), (0, spare), (0, 0))) if spare else q,
       k_pool.reshape(pages), v_pool.reshape(pages))
     out = outs[0][:, :Hq] if NS == 1 else _merge_splits(*outs, Hq, q.dtype, interpret)
@@ -192,16 +199,17 @@ def paged_attention(q, k_pool, v_pool, layer, positions, row_of_token, block_tab
 # decode-sized step also splits each token's pages over several programs (`fused_splits`; split 0 writes the
 # KV, the last split takes the step's own keys) and merges the splits after, as flash-decoding does.
 
-def _fused_kernel(layer_ref, wlayer_ref, pos_ref, slot_ref, first_ref, row_ref, tables_ref, qkv_ref, cos_ref,
-                  sin_ref, *refs, block_size: int, max_blocks: int, num_kv_slots: int, scale: float, group: int,
+def _fused_kernel(layer_ref, wlayer_ref, window_ref, pos_ref, slot_ref, first_ref, row_ref, tables_ref, qkv_ref,
+                  cos_ref, sin_ref, *refs, block_size: int, max_blocks: int, num_kv_slots: int, scale: float, group: int,
                   q_rows: int, chunk: int, pages_per_iter: int, num_splits: int, has_bias: bool, has_norm: bool,
-                  eps: float, window: int | None):
+                  eps: float, has_window: bool):
     refs = list(refs)
     bias_ref = refs.pop(0) if has_bias else None
     q_norm_ref, k_norm_ref = (refs.pop(0), refs.pop(0)) if has_norm else (None, None)
     k_ref, v_ref, *out_refs, k_out_ref, v_out_ref = refs
     t, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     layer, wlayer, slot, row = layer_ref[0], wlayer_ref[0], slot_ref[t], row_ref[t]
+    window = window_ref[0] if has_window else None
     writes = slot < num_kv_slots
     pos = jnp.where(writes, pos_ref[t], -1)          # a token that writes no KV is padding: it sees no key
     first = first_ref[t]
@@ -342,11 +350,11 @@ def _split_pages(num_splits: int, block_size: int) -> int:
     return max(pages, _MIN_ROWS // block_size)
 
 
-@functools.partial(jax.jit, static_argnames=("num_heads", "block_size", "eps", "num_splits", "interpret", "window"))
+@functools.partial(jax.jit, static_argnames=("num_heads", "block_size", "eps", "num_splits", "interpret"))
 def paged_attention_fused(qkv, k_pool, v_pool, layer, cos, sin, positions, slot_mapping, first_in_step,
                           row_of_token, block_tables, bias=None, q_norm=None, k_norm=None, weight_layer=0, *,
                           num_heads: int, block_size: int, eps: float = 1e-6, num_splits: int | None = None,
-                          interpret: bool | None = None, window: int | None = None):
+                          interpret: bool | None = None, window=None):
     """Attention with the rotary embedding and the KV write inside, for a step whose rows' tokens are contiguous.
 
     qkv [T, Hkv*(G+2)*hd]: the q/k/v projection (for each kv head its G query heads, then k, then v), before
@@ -354,8 +362,8 @@ def paged_attention_fused(qkv, k_pool, v_pool, layer, cos, sin, positions, slot_
     token's position; positions, slot_mapping (>= S: writes nothing, and the token is padding), first_in_step
     (index in T of the token's row's first token this step), row_of_token [T]; block_tables [R, MB]; bias
     [Lw, Hkv*(G+2)*hd] and q_norm/k_norm [Lw, hd] stacked over layers, this layer's at `weight_layer`;
-    num_splits: programs sharing a token's context (None: `fused_splits(T)`); window: a sliding window (each token
-    sees the keys at its position and the window - 1 before; the pages before it are not read).
+    num_splits: programs sharing a token's context (None: `fused_splits(T)`); window: a sliding window, an i32 scalar
+    (each token sees the keys at its position and the window - 1 before; the pages before it are not read).
     -> (out [T, Hq*hd], k_pool, v_pool with this step's k/v written)."""
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
@@ -386,10 +394,10 @@ def paged_attention_fused(qkv, k_pool, v_pool, layer, cos, sin, positions, slot_
     kernel = functools.partial(
         _fused_kernel, block_size=block_size, max_blocks=MB, num_kv_slots=S, scale=hd ** -0.5, group=G,
         q_rows=q_rows, chunk=chunk, pages_per_iter=P, num_splits=NS, has_bias=bias is not None,
-        has_norm=q_norm is not None, eps=eps, window=window)
+        has_norm=q_norm is not None, eps=eps, has_window=window is not None)
     whole = lambda shape: pl.BlockSpec(shape, lambda t, h, s: (0,) * len(shape))  # noqa: E731
-    ints = [jnp.reshape(layer, (1,)), jnp.reshape(weight_layer, (1,)), positions, slot_mapping, first_in_step,
-            row_of_token, block_tables]
+    ints = [jnp.reshape(layer, (1,)), jnp.reshape(weight_layer, (1,)), _window_input(window), positions,
+            slot_mapping, first_in_step, row_of_token, block_tables]
     ins = [x.astype(jnp.int32) for x in ints] + [pad(qkv, spare_t, spare_r, 0), pad(cos, spare_t, 0),
                                                  pad(sin, spare_t, 0), *extra, k_pool.reshape(pages),
                                                  v_pool.reshape(pages)]

@@ -91,7 +91,7 @@ class Engine:
         caching = self.prefix_cache_disabled_reason is None
         self.blocks = BlockManager(num_blocks, config.block_size, config.max_num_seqs, enable_prefix_caching=caching,
                                    key_overlap=int(drafter is not None and drafter.kv_reads_next_token))
-        windows = [mc.sliding_window] + [c.sliding_window for c in draft_configs]   # each reader of the KV
+        windows = [mc.kv_window] + [c.kv_window for c in draft_configs]   # each reader of the KV
         self.scheduler = Scheduler(self.blocks, self.step_config, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    draft_lookahead=drafter is not None and drafter.needs_kv_lookahead,
