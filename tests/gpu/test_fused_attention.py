@@ -44,3 +44,21 @@ def test_fused_attention_matches_separate_kernels(dtype, bias_norm, splits):
     # measured: bf16 0.0078 (one bf16 step of a value in [1, 2); outputs reach ~4), float32 0.00024
     diff = np.abs(out - want).max()
     assert diff <= (2 ** -6 if dtype == jnp.bfloat16 else 1e-3), diff
+
+
+@pytest.mark.parametrize("window", [5, 24])
+def test_sliding_window_kernels_match_the_reference(window):
+    """Both Pallas kernels with a sliding window (5: inside a 16-key page; 24: across pages, some skipped), lowered
+    through Triton, against the reference's windowed attention, in float32 (TF32 dots: 1e-3 as above)."""
+    from jaxspec.nn.ops import paged_attention_reference
+    cfg, stacks, qkv, k_pool, v_pool, batch, bs = _fused_case(False, True, block_size=16, head_dim=128)
+    lp = LayerWeights(stacks, 1)
+    q, k, v = split_qkv(cfg, lp, qkv, batch.positions)
+    kv = write_kv({"k": k_pool, "v": v_pool}, 1, batch, k, v)
+    want = np.asarray(paged_attention_reference(q, kv["k"], kv["v"], 1, batch, bs, window), np.float32)
+    padding = np.asarray(batch.slot_mapping) >= k_pool.shape[1]
+    unfused = np.asarray(paged_attention_fn(q, kv["k"], kv["v"], 1, batch, bs, window), np.float32)
+    assert np.abs(unfused - want)[~padding].max() <= 1e-3
+    cos, sin = rope_cos_sin(batch.positions, rope_inv_freq(cfg))
+    out, _, _ = fused_attention_fn(cfg, lp, qkv, cos, sin, k_pool, v_pool, 1, batch, bs, None, window=window)
+    assert np.abs(np.asarray(out, np.float32) - want)[~padding].max() <= 1e-3
