@@ -145,6 +145,33 @@ def test_chosen_rate_never_drops_across_bucket_edges(p, q):
     assert len(set(chosen)) >= 3   # the sweep does move k (speculation pays at small batches, not at large ones)
 
 
+@pytest.mark.parametrize("batch", [2, 6, 12])
+def test_a_step_with_prefill_chunks_is_priced_with_them(batch):
+    """Decode rows beside prefill chunks: the chunks take their share of the budget and move the step's bucket,
+    so the k chosen at each prefill load is the best one for the step as it will be (the chunks' tokens priced
+    in), which at some loads is not the best one for the decode rows alone."""
+    K, budget, alpha = 4, 64, 0.8
+    c = KChooser(K, budget, edge_bucket)
+    c.time_model = edge_time
+    for s in range(20):
+        c.observe(s, chain_rows(K, 4, 5), (K, 8, None))
+
+    def rate(k, prefill):
+        rows = min(batch, (budget - prefill) // (1 + k))
+        if rows == 0:
+            return 0.0
+        return rows * sum(alpha ** j for j in range(k + 1)) / edge_time(k, edge_bucket(rows * (1 + k) + prefill))
+    differs = 0
+    for step, prefill in enumerate(range(0, budget - batch, 3), start=20):
+        c.choose(step, batch, prefill)   # (a first choice may keep the current k: MARGIN)
+        k = c.choose(step, batch, prefill)
+        rates = [rate(j, prefill) for j in range(K + 1)]
+        assert rates[k] >= max(rates) / (1 + adaptive.MARGIN), (prefill, k, rates)
+        alone = [rate(j, 0) for j in range(K + 1)]
+        differs += rates[alone.index(max(alone))] < max(rates) * (1 - 1e-3)
+    assert differs   # pricing the decode rows alone would have chosen worse somewhere
+
+
 def test_measured_times_settle_on_the_best_k_across_bucket_edges():
     """No time model: the step times are measured as the engine measures them (each step: its draft width, the
     bucket of the drafts it verifies, its time from the fixed table), so each new (k, bucket) a batch reaches is
@@ -210,7 +237,7 @@ def spec_llm(target, method, model=None, *, adaptive_k=True, k=K, async_scheduli
     if time_model is not None:
         chooser.time_model = time_model
     if schedule is not None:   # a forced sequence of choices, by step number
-        chooser.choose = lambda step, rows: schedule[step % len(schedule)]
+        chooser.choose = lambda step, rows, prefill_tokens=0: schedule[step % len(schedule)]
     return llm
 
 
@@ -288,7 +315,7 @@ def test_every_sequence_of_k_is_exact(target, drafters, exact_plain, method, dra
         llm = LLM(target, **{**ENGINE, "num_kv_blocks": 40, "warmup": False}, async_scheduling=mode,
                   speculative_config=dict(method=method, model=drafters[method], num_speculative_tokens=K,
                                           draft_sampling=draft_sampling, adaptive=True))
-        llm.engine.k_chooser.choose = lambda step, rows: SCHEDULE[step % len(SCHEDULE)]
+        llm.engine.k_chooser.choose = lambda step, rows, prefill_tokens=0: SCHEDULE[step % len(SCHEDULE)]
         runs[mode] = (results(llm, prompts, params), llm.stats()["spec"]["chosen_k"])
         assert llm.stats()["num_preemptions"] == 0
         assert all(n > 0 for n in runs[mode][1]), runs[mode][1]

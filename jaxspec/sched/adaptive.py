@@ -5,8 +5,9 @@ next step, the one that maximises expected tokens per second.
                                                                           given positions 1..i-1 were accepted)
     rate(k) = rows(k) * E(k) / t(k, T_k)
 
-rows(k) is how many of the B decoding rows fit the token budget at 1+k tokens each, T_k the token bucket of
-their step and t(k, T) the measured device time of the step compiled for draft width k at bucket T (an
+rows(k) is how many of the B decoding rows fit the token budget at 1+k tokens each beside the step's prefill
+tokens P (the next step's are not known when its drafts are proposed: this step's stand for them), T_k the token
+bucket of the step's rows(k) * (1+k) + P tokens and t(k, T) the measured device time of the step compiled for draft width k at bucket T (an
 exponential moving average; a pair not yet measured is tried for a few steps, smallest k first). Low acceptance makes
 every E(k) near 1, so the cheapest step (k = 0, plain decoding) wins; a large batch makes the step time grow
 with its tokens (and the budget fit fewer rows at 1+k), so k falls back toward 0 there too.
@@ -102,8 +103,10 @@ class KChooser:
         return self.times.get((k, T))
 
     # ---- the choice ----------------------------------------------------------------------------------
-    def choose(self, step: int, num_rows: int) -> int:
-        """k for the drafts step `step` proposes (the next step of its `num_rows` decoding rows verifies them)."""
+    def choose(self, step: int, num_rows: int, prefill_tokens: int = 0) -> int:
+        """k for the drafts step `step` proposes (the next step of its `num_rows` decoding rows verifies them),
+        priced as if that step also carries `prefill_tokens` of prefill chunks (this step's), which take their
+        share of the token budget and of the step's bucket."""
         self._fold(step - 2)
         if self._explore is not None:
             k, T, last = self._explore
@@ -112,11 +115,12 @@ class KChooser:
             self._explore = None
         a = self.acceptance()
         rates, unmeasured, shape = {}, [], []
+        prefill_tokens = max(0, min(prefill_tokens, self.budget - num_rows))   # decode rows are planned first
         for k in range(self.K + 1):
-            rows = min(num_rows, self.budget // (1 + k))
+            rows = min(num_rows, (self.budget - prefill_tokens) // (1 + k))
             if rows == 0:
                 continue
-            T = self.bucket_for(rows * (1 + k))
+            T = self.bucket_for(rows * (1 + k) + prefill_tokens)
             if self.ready is not None and not self.ready(k, T):
                 continue
             t = self.step_time(k, T)

@@ -136,7 +136,7 @@ class StepBuilder:
             return 0, 0
         k = K
         if sampling and self.k_chooser is not None:
-            k = self.k_chooser.choose(index, len(sampling))
+            k = self.k_chooser.choose(index, len(sampling), sum(row.num_new for row in rows if not row.sample))
         for row in sampling:
             row.request.num_proposed = k
         if self.k_chooser is None:
