@@ -200,9 +200,9 @@ def paged_attention(q, k_pool, v_pool, layer, positions, row_of_token, block_tab
 # KV, the last split takes the step's own keys) and merges the splits after, as flash-decoding does.
 
 def _fused_kernel(layer_ref, wlayer_ref, window_ref, pos_ref, slot_ref, first_ref, row_ref, tables_ref, qkv_ref,
-                  cos_ref, sin_ref, *refs, block_size: int, max_blocks: int, num_kv_slots: int, scale: float, group: int,
-                  q_rows: int, chunk: int, pages_per_iter: int, num_splits: int, has_bias: bool, has_norm: bool,
-                  eps: float, has_window: bool):
+                  cos_ref, sin_ref, *refs, block_size: int, max_blocks: int, num_kv_slots: int, scale: float,
+                  group: int, q_rows: int, chunk: int, pages_per_iter: int, num_splits: int, has_bias: bool,
+                  has_norm: bool, eps: float, has_window: bool):
     refs = list(refs)
     bias_ref = refs.pop(0) if has_bias else None
     q_norm_ref, k_norm_ref = (refs.pop(0), refs.pop(0)) if has_norm else (None, None)

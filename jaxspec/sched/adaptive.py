@@ -7,10 +7,11 @@ next step, the one that maximises expected tokens per second.
 
 rows(k) is how many of the B decoding rows fit the token budget at 1+k tokens each beside the step's prefill
 tokens P (the next step's are not known when its drafts are proposed: this step's stand for them), T_k the token
-bucket of the step's rows(k) * (1+k) + P tokens and t(k, T) the measured device time of the step compiled for draft width k at bucket T (an
-exponential moving average; a pair not yet measured is tried for a few steps, smallest k first). Low acceptance makes
-every E(k) near 1, so the cheapest step (k = 0, plain decoding) wins; a large batch makes the step time grow
-with its tokens (and the budget fit fewer rows at 1+k), so k falls back toward 0 there too.
+bucket of the step's rows(k) * (1+k) + P tokens and t(k, T) the measured device time of the step compiled for
+draft width k at bucket T (an exponential moving average; a pair not yet measured is tried for a few steps,
+smallest k first). Low acceptance makes every E(k) near 1, so the cheapest step (k = 0, plain decoding) wins; a
+large batch makes the step time grow with its tokens (and the budget fit fewer rows at 1+k), so k falls back
+toward 0 there too.
 
 a_i is a running estimate: accepted and tried counts per position, decayed each step, with a prior
 (`PRIOR_ACCEPTANCE` at position 1, position i-1's estimate at position i) weighted as `PRIOR_WEIGHT`
