@@ -121,7 +121,7 @@ LONGEST_FIRST = ["test_spec_layouts.py", "test_train.py", "test_spec_sampling.py
                  "test_adaptive_k.py", "test_engine.py", "test_bench.py", "test_notebook.py", "test_model_parity.py",
                  "test_serve_ray.py", "test_distributed.py",
                  "test_spec.py", "test_structured.py", "test_serve_fields.py", "test_fp8.py", "test_hot_path.py",
-                 "test_core.py", "test_prefix_cache.py", "test_tp.py", "test_hybrid.py"]
+                 "test_core.py", "test_prefix_cache.py", "test_sliding_window.py", "test_tp.py", "test_hybrid.py"]
 
 
 def pytest_collection_modifyitems(config, items):

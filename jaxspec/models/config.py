@@ -17,7 +17,7 @@ ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_next", "qwen3_5")
 HYBRID_ARCHITECTURES = ("qwen3_next", "qwen3_5")
 
 # HF `model_type` / `architectures` values mapped to our families.
-_HF_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "llama",
+_HF_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "llama", "qwen3_moe": "qwen3",
                    "qwen3_next": "qwen3_next", "qwen3_5_text": "qwen3_5", "qwen3_5": "qwen3_5",
                    "qwen3_5_moe_text": "qwen3_5", "qwen3_5_moe": "qwen3_5"}
 # HF `layer_types` entries of the hybrids -> jaxspec layer kinds (jaxspec.nn.layers.LAYER_KINDS).
@@ -188,6 +188,8 @@ class ModelConfig:
             extra = _hybrid_fields(hf, arch)
         else:
             extra["sliding_window"], extra["sliding_layers"] = _sliding_window(hf, model_type)
+        if model_type == "qwen3_moe":
+            extra.update(_qwen3_moe_fields(hf))
         return cls(
             arch=arch,
             vocab_size=hf["vocab_size"],
@@ -206,6 +208,19 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             **extra,
         )
+
+
+def _qwen3_moe_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3-MoE: layer i is sparse (`attention_moe`) unless it is in `mlp_only_layers` or (i + 1) is not a multiple
+    of `decoder_sparse_step` (transformers' rule); the experts' shapes and routing."""
+    n = hf["num_hidden_layers"]
+    step, dense = hf.get("decoder_sparse_step", 1), set(hf.get("mlp_only_layers") or ())
+    experts = hf.get("num_experts", hf.get("num_local_experts", 0))   # (the latter: transformers 5's name)
+    kinds = tuple("attention_moe" if experts > 0 and i not in dense and (i + 1) % step == 0 else "attention"
+                  for i in range(n))
+    return dict(layer_types=kinds, num_experts=experts, num_experts_per_tok=hf.get("num_experts_per_tok", 0),
+                moe_intermediate_size=hf.get("moe_intermediate_size", 0),
+                norm_topk_prob=bool(hf.get("norm_topk_prob", False)))
 
 
 def _hybrid_fields(hf: dict[str, Any], arch: str) -> dict[str, Any]:

@@ -11,7 +11,8 @@ _LLAMA3_ROPE = tuple(sorted(dict(rope_type="llama3", factor=8.0, low_freq_factor
                                 original_max_position_embeddings=8192).items()))
 
 # The presets' shapes, as their GGUF headers give them, and (for multi-GPU runs, no checkpoint needed) the
-# shapes of Llama 3.1 8B and of Llama 3.2 1B, a draft of the same family and vocabulary, and of Mistral 7B.
+# shapes of Llama 3.1 8B and of Llama 3.2 1B, a draft of the same family and vocabulary, of Mistral 7B and of
+# Qwen3-30B-A3B.
 KNOWN_SHAPES = {
     "llama-3.1-8b": ModelConfig(
         arch="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
@@ -25,6 +26,11 @@ KNOWN_SHAPES = {
         arch="llama", vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
         num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=32768,
         sliding_window=4096),
+    "qwen3-30b-a3b": ModelConfig(   # every layer 128 experts, 8 per token
+        arch="qwen3", vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_layers=48, num_heads=32,
+        num_kv_heads=4, head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=40960,
+        layer_types=("attention_moe",) * 48, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+        norm_topk_prob=True),
     "smollm2-135m-instruct": ModelConfig(
         arch="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
         num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True,

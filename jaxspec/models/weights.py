@@ -153,6 +153,11 @@ HF_LAYER_TENSORS["gated_deltanet"] = {
     "out_proj": ((LIN + "out_proj.weight",), None),
     **_HYBRID_FFN,
 }
+# Qwen3-MoE's sparse layers: the attention layer's tensors, and the experts where the MLP was (plain RMSNorm weights).
+HF_LAYER_TENSORS["attention_moe"] = {
+    **{name: v for name, v in HF_LAYER_TENSORS["attention"].items() if name not in ("gate_up_proj", "down_proj")},
+    **{name: _HYBRID_FFN[name] for name in ("router", "experts_gate_up", "experts_down")},
+}
 # Combines that read the model config (first argument).
 _CONFIG_COMBINES = {plus_one, group_gated_qkv, concat_rows, _gdn_in_proj_combine, conv_kernel, stack_expert_gate_up,
                     stack_expert_down}

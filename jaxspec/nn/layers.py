@@ -212,6 +212,21 @@ class Attention:
         return mlp(c, ops, lp, h), state
 
 
+class AttentionMoE(Attention):
+    """Qwen3-MoE's sparse layer: the Attention layer's attention, then the mixture of experts (`moe`: softmax router,
+    top-k experts, no shared expert) where the dense MLP was."""
+    name = "attention_moe"
+
+    def params(self, c):
+        return {**attention_params(c), **moe_params(c)}
+
+    def __call__(self, c, ops, lp, h, state, i, batch):
+        qkv = ops.linear(h, lp, "qkv_proj", norm="attn_norm", eps=c.rms_norm_eps)
+        out, state = attend_qkv(c, ops, lp, qkv, state, i, batch)
+        h = ops.linear(out.astype(h.dtype), lp, "o_proj", residual=h)
+        return moe(c, ops, lp, h), state
+
+
 # ---- hybrids: Qwen3-Next and Qwen3.5 (Gated DeltaNet + gated full attention, dense MLP or MoE) ---------------
 
 def ffn_params(c) -> dict[str, Spec]:
@@ -467,8 +482,8 @@ def delta_rule_chunked(q, k, v, beta, g, state, chunk: int = 64):
     return o, S
 
 
-LAYER_KINDS: dict[str, LayerKind] = {"attention": Attention(), "gated_attention": GatedAttention(),
-                                     "gated_deltanet": GatedDeltaNet()}
+LAYER_KINDS: dict[str, LayerKind] = {"attention": Attention(), "attention_moe": AttentionMoE(),
+                                     "gated_attention": GatedAttention(), "gated_deltanet": GatedDeltaNet()}
 
 
 def per_slot_fields(state_specs: dict[str, Spec]) -> list[str]:

@@ -1,0 +1,74 @@
+"""Qwen3-MoE (issue #39): a tiny random checkpoint written by transformers, layer 0 dense (`mlp_only_layers`) and
+layer 1 a mixture of 4 experts, 2 per token. Logits within float32 rounding of transformers'; greedy generation
+through the engine equal to transformers' `generate`, plainly and with a draft model (drafts accepted and
+rejected)."""
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from conftest import TINY_DIMS, randomize_
+from jaxspec import LLM, SamplingParams
+from jaxspec.models import load_model
+
+TOLERANCE = 2e-6
+PROMPTS = [[(5 * i + 11 * j) % 250 + 2 for j in range(n)] for i, n in enumerate((4, 9, 15))]
+MAX_TOKENS = 10
+ENGINE = dict(dtype="float32", max_num_seqs=3, max_model_len=64, max_num_batched_tokens=16, block_size=4,
+              warmup=False)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    import torch
+    import transformers
+    path = tmp_path_factory.mktemp("qwen3_moe")
+    config = transformers.Qwen3MoeConfig(**TINY_DIMS, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                         moe_intermediate_size=32, mlp_only_layers=[0], norm_topk_prob=True,
+                                         tie_word_embeddings=False)
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    randomize_(hf, 0)
+    with torch.no_grad():   # the experts' fused [E, rows, in] weights: unit gain, as randomize_ gives matrices
+        for name, p in hf.named_parameters():
+            if p.ndim == 3:
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) / p.shape[-1] ** 0.5)
+    hf.save_pretrained(str(path), safe_serialization=True)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    with torch.no_grad():
+        refs = [hf.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False, num_beams=1,
+                            pad_token_id=0, eos_token_id=None)[0, len(p):].tolist() for p in PROMPTS]
+        token_ids = np.random.default_rng(2).integers(0, 256, 24)
+        logits = hf(torch.tensor([token_ids.tolist()])).logits[0].double().numpy()
+    return path, refs, token_ids, logits
+
+
+def test_logits_match_transformers(checkpoint):
+    path, _, token_ids, logits = checkpoint
+    model = load_model(path, dtype="float32")
+    c = model.config
+    assert c.arch == "qwen3" and c.layer_types == ("attention", "attention_moe") and c.num_experts == 4
+    got = model.score(token_ids)
+    assert float(np.abs(np.asarray(got, np.float64) - logits).max() / np.abs(logits).max()) <= TOLERANCE
+
+
+def perturbed(model, noise: float, seed: int):
+    leaves, tree = jax.tree_util.tree_flatten(model.params)
+    keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
+    moved = [x + noise * jax.numpy.std(x) * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]
+    return dataclasses.replace(model, params=jax.tree_util.tree_unflatten(tree, moved))
+
+
+@pytest.mark.parametrize("speculation", [False, True])
+def test_greedy_generation_equals_transformers(checkpoint, speculation):
+    path, refs, _, _ = checkpoint
+    target = load_model(path, dtype="float32")
+    spec = ({"method": "draft_model", "model": perturbed(target, 0.05, 1), "num_speculative_tokens": 3}
+            if speculation else None)
+    llm = LLM(target, **ENGINE, speculative_config=spec)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    assert [o.token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)] == refs
+    if speculation:
+        s = llm.stats()["spec"]
+        assert 0 < s["accepted_tokens"] < s["draft_tokens"]
