@@ -153,3 +153,41 @@ def test_fused_attention_matches_rotary_write_and_attention(qkv_bias, qk_norm, n
     np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=2e-5, atol=2e-5)
     np.testing.assert_allclose(np.asarray(k_new), np.asarray(kv["k"]), rtol=1e-6, atol=1e-6)
     np.testing.assert_array_equal(np.asarray(v_new), np.asarray(kv["v"]))
+
+
+def test_attention_sinks_in_the_reference_and_both_kernels():
+    """GPT-OSS's attention sinks: a learned logit per query head in the softmax's sum, attending to nothing. The
+    reference equals a direct softmax over [scores, sink]; the unfused kernel (one program per token, and the
+    context split three ways: the sink counted once, in split 0) and the fused kernel equal the reference; sinks
+    that bite (the output differs from no sinks)."""
+    from jaxspec.nn.kernels import LayerWeights, fused_attention_fn
+    from jaxspec.nn.layers import split_qkv, write_kv
+    from jaxspec.nn.ops import rope_cos_sin, rope_inv_freq
+    cfg, stacks, qkv, k_pool, v_pool, batch, bs = _fused_case(False, True)
+    lp = LayerWeights(stacks, 1)
+    q, k, v = split_qkv(cfg, lp, qkv, batch.positions)
+    kv = write_kv({"k": k_pool, "v": v_pool}, 1, batch, k, v)
+    sinks = jnp.asarray(np.random.default_rng(5).normal(0, 2, cfg.num_heads), jnp.float32)
+    want = paged_attention_reference(q, kv["k"], kv["v"], 1, batch, bs, sinks=sinks)
+    live = np.asarray(batch.slot_mapping) < k_pool.shape[1]
+    # the reference itself, token by token: softmax over the visible keys' scores and the sink
+    T, Hq, hd = q.shape
+    G = Hq // cfg.num_kv_heads
+    tables, rows, pos = (np.asarray(x) for x in (batch.block_tables, batch.row_of_token, batch.positions))
+    for t in np.flatnonzero(live):
+        slots = tables[rows[t], np.arange(pos[t] + 1) // bs] * bs + np.arange(pos[t] + 1) % bs
+        for head in range(Hq):
+            keys, values = (np.asarray(kv[n][1])[slots, head // G] for n in ("k", "v"))
+            s = keys @ np.asarray(q[t, head]) / np.sqrt(hd)
+            e = np.exp(np.append(s, sinks[head]) - max(s.max(), sinks[head]))
+            np.testing.assert_allclose(np.asarray(want)[t, head * hd:(head + 1) * hd],
+                                       (e[:-1] / e.sum()) @ values, rtol=1e-4, atol=1e-5)
+    whole = paged_attention_reference(q, kv["k"], kv["v"], 1, batch, bs)
+    assert np.abs(np.asarray(whole) - np.asarray(want))[live].max() > 1e-2
+    for splits in (1, 3):
+        out = paged_attention(q, kv["k"], kv["v"], jnp.int32(1), batch.positions, batch.row_of_token,
+                              batch.block_tables, block_size=bs, num_splits=splits, interpret=True, sinks=sinks)
+        np.testing.assert_allclose(np.asarray(out)[live], np.asarray(want)[live], rtol=2e-5, atol=2e-5)
+    cos, sin = rope_cos_sin(batch.positions, rope_inv_freq(cfg))
+    out, _, _ = fused_attention_fn(cfg, lp, qkv, cos, sin, k_pool, v_pool, 1, batch, bs, None, sinks=sinks)
+    np.testing.assert_allclose(np.asarray(out)[live], np.asarray(want)[live], rtol=2e-5, atol=2e-5)

@@ -80,20 +80,22 @@ def _scales(lp, name: str):
 
 # ---- attention -------------------------------------------------------------------------------------------------
 
-def paged_attention_fn(q, k_pool, v_pool, layer, batch, block_size: int, window: int | None = None):
+def paged_attention_fn(q, k_pool, v_pool, layer, batch, block_size: int, window: int | None = None, sinks=None):
     """`Ops.attend` over the kernel: q [T, Hq, hd] against layer `layer` of the pools [L, S, Hkv, hd] as the
     ForwardBatch `batch` places each token -> [T, Hq*hd]. Padding tokens (their KV write dropped: slot past the
     pool) get position -1, so their programs visit no page."""
     positions = jnp.where(batch.slot_mapping < k_pool.shape[1], batch.positions, -1)
     return pa.paged_attention(q, k_pool, v_pool, jnp.asarray(layer, jnp.int32), positions, batch.row_of_token,
-                              batch.block_tables, block_size=block_size, num_splits=pa.NUM_SPLITS, window=window)
+                              batch.block_tables, block_size=block_size, num_splits=pa.NUM_SPLITS, window=window,
+                              sinks=sinks)
 
 
 def fused_attention_fn(c, lp, qkv, cos, sin, k_pool, v_pool, layer, batch, block_size: int,
-                       num_splits: int | None = None, window=None):
+                       num_splits: int | None = None, window=None, sinks=None):
     """`attend_qkv` over the fused kernel: the layer's q/k/v projection qkv [T, Hkv*(G+2)*hd] (before bias, norms
     and rotary), cos/sin f32 [T, hd/2] of each token's rotary angles, the pools [L, S, Hkv, hd] and the batch
-    (whose `first_in_step` is set); `window`: the layer's sliding window (an int or i32 scalar) or None
+    (whose `first_in_step` is set); `window`: the layer's sliding window (an int or i32 scalar) or None; `sinks`:
+    the layer's attention-sink logits [Hq] or None
     -> (out [T, Hq*hd], k_pool, v_pool with this step's k/v written)."""
     # the layer's bias and q/k norms as whole stacks and its index in them (a sliced weight would be copied)
     names = ("qkv_bias", "q_norm", "k_norm")
@@ -104,7 +106,7 @@ def fused_attention_fn(c, lp, qkv, cos, sin, k_pool, v_pool, layer, batch, block
                                     batch.slot_mapping, batch.first_in_step, batch.row_of_token, batch.block_tables,
                                     bias, q_norm, k_norm, jnp.asarray(weight_layer, jnp.int32),
                                     num_heads=c.num_heads, block_size=block_size, eps=c.rms_norm_eps,
-                                    num_splits=num_splits, window=window)
+                                    num_splits=num_splits, window=window, sinks=sinks)
 
 
 # ---- the gated delta rule --------------------------------------------------------------------------------------

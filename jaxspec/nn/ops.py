@@ -81,12 +81,18 @@ def apply_rope(x, positions, inv_freq):
     return (x32 * cos + rotated * sin).astype(x.dtype)
 
 
-def _attend(q, k, v, mask, scale):
-    """q [T, Hkv, G, hd]; k/v [T, C, Hkv, hd] (per-token context) or [C, Hkv, hd] (shared); mask [T, C]."""
+def _attend(q, k, v, mask, scale, sinks=None):
+    """q [T, Hkv, G, hd]; k/v [T, C, Hkv, hd] (per-token context) or [C, Hkv, hd] (shared); mask [T, C]; sinks
+    [Hkv*G] f32 or None: a learned logit per query head that joins the softmax's sum and attends to nothing
+    (GPT-OSS's attention sinks)."""
     ctx = "tckd" if k.ndim == 4 else "ckd"
     s = jnp.einsum(f"tkgd,{ctx}->tkgc", q, k, preferred_element_type=jnp.float32) * scale
     s = jnp.where(mask[:, None, None, :], s, -jnp.inf)
-    p = jax.nn.softmax(s, axis=-1)
+    if sinks is not None:
+        sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, *q.shape[1:3], 1), (*s.shape[:3], 1))
+        p = jax.nn.softmax(jnp.concatenate([s, sink], axis=-1), axis=-1)[..., :-1]
+    else:
+        p = jax.nn.softmax(s, axis=-1)
     o = jnp.einsum(f"tkgc,{ctx}->tkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return o.reshape(q.shape[0], -1)
 
@@ -99,7 +105,7 @@ def in_window(key_positions, positions, window: int | None):
 
 
 def paged_attention_reference(q, k_pool, v_pool, layer, batch: ForwardBatch, block_size: int,
-                              window: int | None = None):
+                              window: int | None = None, sinks=None):
     """Each token attends to its own row's blocks up to its position (within `window` keys of it, if given),
     gathered into a dense context [T, MB*bs, Hkv, hd]: fine for tests and small batches. q [T, Hq, hd];
     k/v_pool [L, S, Hkv, hd] (this step's k/v already written) -> [T, Hq*hd]."""
@@ -111,16 +117,16 @@ def paged_attention_reference(q, k_pool, v_pool, layer, batch: ForwardBatch, blo
     k = jnp.take(k_cache, slots, axis=0, mode="clip")                             # [T, C, Hkv, hd]
     v = jnp.take(v_cache, slots, axis=0, mode="clip")
     mask = in_window(jnp.arange(slots.shape[1])[None, :], batch.positions[:, None], window)   # [T, C]
-    return _attend(q.reshape(T, Hkv, Hq // Hkv, hd), k, v, mask, 1.0 / math.sqrt(hd))
+    return _attend(q.reshape(T, Hkv, Hq // Hkv, hd), k, v, mask, 1.0 / math.sqrt(hd), sinks)
 
 
 def dense_causal_attention(q, k_pool, v_pool, layer, batch: ForwardBatch, block_size: int,
-                           window: int | None = None):
+                           window: int | None = None, sinks=None):
     """One sequence whose token t sits at KV slot t: plain causal attention (no pages)."""
     T, Hq, hd = q.shape
     k, v = k_pool[layer][:T], v_pool[layer][:T]
     mask = in_window(batch.positions[None, :], batch.positions[:, None], window)
-    return _attend(q.reshape(T, k.shape[1], -1, hd), k, v, mask, 1.0 / math.sqrt(hd))
+    return _attend(q.reshape(T, k.shape[1], -1, hd), k, v, mask, 1.0 / math.sqrt(hd), sinks)
 
 
 # Steps of at most this many tokens run the matmuls named in `Ops.gemv` as GEMV kernels (measured at 8 and 16);
@@ -333,17 +339,20 @@ class Ops:
         return (self.fused_attention and self.attention == "pallas" and self.tp is None and pa.NUM_SPLITS == 1
                 and batch.first_in_step is not None)
 
-    def attend(self, q, k_pool, v_pool, layer, batch: ForwardBatch, window: int | None = None):
+    def attend(self, q, k_pool, v_pool, layer, batch: ForwardBatch, window: int | None = None, sinks=None):
         """q [T, Hq, hd] against the pools [L, S, Hkv, hd] of layer `layer` (each token within `window` keys of
-        itself, if given) -> [T, Hq*hd]; under tensor parallelism each device attends with its own heads and KV
-        pages."""
-        local = functools.partial(self._attend_local, window=window)
+        itself, if given; `sinks` [Hq]: attention-sink logits) -> [T, Hq*hd]; under tensor parallelism each device
+        attends with its own heads and KV pages."""
+        if sinks is not None and self.tp is not None and self.tp.shard_attention and self.attention != "dense":
+            raise NotImplementedError("attention sinks with the heads split over devices (tensor_parallel_size="
+                                      f"{self.tp.size}) are not implemented; run with tensor_parallel_size=1")
+        local = functools.partial(self._attend_local, window=window, sinks=sinks)
         fn = local if self.tp is None or self.attention == "dense" else self.tp.attention(local)
         return fn(q, k_pool, v_pool, layer, batch)
 
-    def _attend_local(self, q, k_pool, v_pool, layer, batch: ForwardBatch, window: int | None = None):
+    def _attend_local(self, q, k_pool, v_pool, layer, batch: ForwardBatch, window: int | None = None, sinks=None):
         if self.attention == "pallas":
-            return kernels.paged_attention_fn(q, k_pool, v_pool, layer, batch, self.block_size, window)
+            return kernels.paged_attention_fn(q, k_pool, v_pool, layer, batch, self.block_size, window, sinks)
         if self.attention == "dense":
-            return dense_causal_attention(q, k_pool, v_pool, layer, batch, self.block_size, window)
-        return paged_attention_reference(q, k_pool, v_pool, layer, batch, self.block_size, window)
+            return dense_causal_attention(q, k_pool, v_pool, layer, batch, self.block_size, window, sinks)
+        return paged_attention_reference(q, k_pool, v_pool, layer, batch, self.block_size, window, sinks)

@@ -35,9 +35,9 @@ def _next_pow2(x: int) -> int:
     return 1 if x <= 1 else 1 << (x - 1).bit_length()
 
 
-def _kernel(layer_ref, window_ref, pos_ref, row_ref, tables_ref, q_ref, k_ref, v_ref, *out_refs, block_size: int,
-            max_blocks: int, scale: float, group: int, q_block_shape: tuple[int, int], pages_per_iter: int,
-            num_splits: int, has_window: bool):
+def _kernel(layer_ref, window_ref, pos_ref, row_ref, tables_ref, sinks_ref, q_ref, k_ref, v_ref, *out_refs,
+            block_size: int, max_blocks: int, scale: float, group: int, q_block_shape: tuple[int, int],
+            pages_per_iter: int, num_splits: int, has_window: bool, has_sinks: bool):
     t, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     layer, pos, row = layer_ref[0], pos_ref[t], row_ref[t]
     window = window_ref[0] if has_window else None
@@ -76,8 +76,8 @@ def _kernel(layer_ref, window_ref, pos_ref, row_ref, tables_ref, q_ref, k_ref, v
             p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
         return o, m_new, l
 
-    init = (jnp.zeros((rows_q, hd), jnp.float32), jnp.full((rows_q,), -1e30, jnp.float32),
-            jnp.zeros((rows_q,), jnp.float32))
+    m0, l0 = _softmax_start(sinks_ref, h * group, rows_q, group, split, has_sinks)
+    init = (jnp.zeros((rows_q, hd), jnp.float32), m0, l0)
     o, m, l = jax.lax.fori_loop(first, jnp.maximum(last, first), pages, init)
     o = o / jnp.maximum(l, 1e-30)[:, None]  # a split (or padding token) that visits no page: 0, never NaN
     if num_splits == 1:
@@ -89,6 +89,26 @@ def _kernel(layer_ref, window_ref, pos_ref, row_ref, tables_ref, q_ref, k_ref, v
         in_group_rows = jax.lax.broadcasted_iota(jnp.int32, (rows_q,), 0) < group
         plgpu.store(m_ref.at[t, split, pl.ds(h * group, rows_q)], m, mask=in_group_rows)
         plgpu.store(l_ref.at[t, split, pl.ds(h * group, rows_q)], l, mask=in_group_rows)
+
+
+def _softmax_start(sinks_ref, first_head: int, rows: int, group: int, split, has_sinks: bool):
+    """The online softmax's running max and sum before any key, for `rows` query heads from `first_head` (those
+    past `group` masked): nothing seen (-1e30, 0), or with attention sinks each head's sink logit counted once, in
+    split 0 (max = the sink, sum = exp(0) = 1: the sink joins the sum and adds nothing to the output)."""
+    nothing = (jnp.full((rows,), -1e30, jnp.float32), jnp.zeros((rows,), jnp.float32))
+    if not has_sinks:
+        return nothing
+    in_group = jax.lax.broadcasted_iota(jnp.int32, (rows,), 0) < group
+    sink = plgpu.load(sinks_ref.at[pl.ds(first_head, rows)], mask=in_group, other=-1e30).astype(jnp.float32)
+    mine = (split == 0) & in_group
+    return jnp.where(mine, sink, nothing[0]), jnp.where(mine, 1.0, 0.0).astype(jnp.float32)
+
+
+def _sinks_input(sinks, num_heads: int, spare: int):
+    """Attention sinks as the kernels read them: f32 [Hq + spare] (unread without sinks)."""
+    if sinks is None:
+        return jnp.zeros((num_heads + spare,), jnp.float32)
+    return jnp.pad(sinks.astype(jnp.float32).reshape(num_heads), (0, spare))
 
 
 def _window_input(window):
@@ -133,10 +153,11 @@ def _merge_splits(o, m, l, num_heads: int, dtype, interpret: bool):
 
 @functools.partial(jax.jit, static_argnames=("block_size", "num_splits", "interpret"))
 def paged_attention(q, k_pool, v_pool, layer, positions, row_of_token, block_tables, *, block_size: int,
-                    num_splits: int = 1, interpret: bool | None = None, window=None):
+                    num_splits: int = 1, interpret: bool | None = None, window=None, sinks=None):
     """q [T, Hq, hd]; k_pool/v_pool [L, S, Hkv, hd]; layer: i32 scalar; positions, row_of_token [T];
     block_tables [R, MB] (-1: no block). Each token attends to its row's keys at positions <= its own (and, with a
-    sliding `window`, an i32 scalar, > its own - window: the pages before the window are not read).
+    sliding `window`, an i32 scalar, > its own - window: the pages before the window are not read). `sinks`: f32
+    [Hq], each query head's attention-sink logit (in the softmax's sum, attending to nothing), or None.
     num_splits: programs sharing one token's context. -> [T, Hq*hd]."""
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
@@ -157,7 +178,8 @@ def paged_attention(q, k_pool, v_pool, layer, positions, row_of_token, block_tab
         block_tables = jnp.pad(block_tables, ((0, 0), (0, MBp - MB)), constant_values=-1)
     NS = num_splits
     kernel = functools.partial(_kernel, block_size=block_size, max_blocks=MB, scale=hd ** -0.5, group=G,
-                               q_block_shape=(G16, hd), pages_per_iter=P, num_splits=NS, has_window=window is not None)
+                               q_block_shape=(G16, hd), pages_per_iter=P, num_splits=NS, has_window=window is not None,
+                               has_sinks=sinks is not None)
     whole = lambda shape: pl.BlockSpec(shape, lambda t, h, s: (0,) * len(shape))  # noqa: E731
     if NS == 1:
         out_shape = [jax.ShapeDtypeStruct((T, q_rows, hd), q.dtype)]
@@ -169,7 +191,7 @@ def paged_attention(q, k_pool, v_pool, layer, positions, row_of_token, block_tab
     outs = pl.pallas_call(
         kernel,
         grid=(T, Hkv, NS),
-        in_specs=[whole((1,)), whole((1,)), whole((T,)), whole((T,)), whole((R, MBp)),
+        in_specs=[whole((1,)), whole((1,)), whole((T,)), whole((T,)), whole((R, MBp)), whole((q_rows,)),
                   whole((T, q_rows, hd)), whole(pages), whole(pages)],
         out_specs=[whole(o.shape) for o in out_shape],
         out_shape=out_shape,
@@ -177,8 +199,8 @@ def paged_attention(q, k_pool, v_pool, layer, positions, row_of_token, block_tab
         name="paged_attention",
         **params,
     )(jnp.reshape(layer, (1,)).astype(jnp.int32), _window_input(window), positions.astype(jnp.int32),
-      row_of_token.astype(jnp.int32),
-      block_tables.astype(jnp.int32), jnp.pad(q, ((0, 0), (0, spare), (0, 0))) if spare else q,
+      row_of_token.astype(jnp.int32), block_tables.astype(jnp.int32), _sinks_input(sinks, Hq, spare),
+      jnp.pad(q, ((0, 0), (0, spare), (0, 0))) if spare else q,
       k_pool.reshape(pages), v_pool.reshape(pages))
     out = outs[0][:, :Hq] if NS == 1 else _merge_splits(*outs, Hq, q.dtype, interpret)
     return out.reshape(T, Hq * hd)
@@ -199,10 +221,10 @@ def paged_attention(q, k_pool, v_pool, layer, positions, row_of_token, block_tab
 # decode-sized step also splits each token's pages over several programs (`fused_splits`; split 0 writes the
 # KV, the last split takes the step's own keys) and merges the splits after, as flash-decoding does.
 
-def _fused_kernel(layer_ref, wlayer_ref, window_ref, pos_ref, slot_ref, first_ref, row_ref, tables_ref, qkv_ref,
-                  cos_ref, sin_ref, *refs, block_size: int, max_blocks: int, num_kv_slots: int, scale: float,
+def _fused_kernel(layer_ref, wlayer_ref, window_ref, pos_ref, slot_ref, first_ref, row_ref, tables_ref, sinks_ref,
+                  qkv_ref, cos_ref, sin_ref, *refs, block_size: int, max_blocks: int, num_kv_slots: int, scale: float,
                   group: int, q_rows: int, chunk: int, pages_per_iter: int, num_splits: int, has_bias: bool,
-                  has_norm: bool, eps: float, has_window: bool):
+                  has_norm: bool, eps: float, has_window: bool, has_sinks: bool):
     refs = list(refs)
     bias_ref = refs.pop(0) if has_bias else None
     q_norm_ref, k_norm_ref = (refs.pop(0), refs.pop(0)) if has_norm else (None, None)
@@ -304,7 +326,7 @@ def _fused_kernel(layer_ref, wlayer_ref, window_ref, pos_ref, slot_ref, first_re
         return attend(carry, k, v, visible)
 
     zeros = jnp.zeros((q_rows, half), jnp.float32)
-    carry = (zeros, zeros, jnp.full((q_rows,), -1e30, jnp.float32), jnp.zeros((q_rows,), jnp.float32))
+    carry = (zeros, zeros, *_softmax_start(sinks_ref, h * G, q_rows, G, split, has_sinks))
     num_iters = pl.cdiv(num_pages, pages_per_iter)
     lo = 0 if window is None else jnp.maximum(pos - (window - 1), 0) // keys   # the window's first page group
     per_split = pl.cdiv(jnp.maximum(num_iters - lo, 0), num_splits)
@@ -354,7 +376,7 @@ def _split_pages(num_splits: int, block_size: int) -> int:
 def paged_attention_fused(qkv, k_pool, v_pool, layer, cos, sin, positions, slot_mapping, first_in_step,
                           row_of_token, block_tables, bias=None, q_norm=None, k_norm=None, weight_layer=0, *,
                           num_heads: int, block_size: int, eps: float = 1e-6, num_splits: int | None = None,
-                          interpret: bool | None = None, window=None):
+                          interpret: bool | None = None, window=None, sinks=None):
     """Attention with the rotary embedding and the KV write inside, for a step whose rows' tokens are contiguous.
 
     qkv [T, Hkv*(G+2)*hd]: the q/k/v projection (for each kv head its G query heads, then k, then v), before
@@ -363,7 +385,8 @@ def paged_attention_fused(qkv, k_pool, v_pool, layer, cos, sin, positions, slot_
     (index in T of the token's row's first token this step), row_of_token [T]; block_tables [R, MB]; bias
     [Lw, Hkv*(G+2)*hd] and q_norm/k_norm [Lw, hd] stacked over layers, this layer's at `weight_layer`;
     num_splits: programs sharing a token's context (None: `fused_splits(T)`); window: a sliding window, an i32 scalar
-    (each token sees the keys at its position and the window - 1 before; the pages before it are not read).
+    (each token sees the keys at its position and the window - 1 before; the pages before it are not read); sinks:
+    f32 [Hq] attention-sink logits, or None.
     -> (out [T, Hq*hd], k_pool, v_pool with this step's k/v written)."""
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
@@ -394,11 +417,12 @@ def paged_attention_fused(qkv, k_pool, v_pool, layer, cos, sin, positions, slot_
     kernel = functools.partial(
         _fused_kernel, block_size=block_size, max_blocks=MB, num_kv_slots=S, scale=hd ** -0.5, group=G,
         q_rows=q_rows, chunk=chunk, pages_per_iter=P, num_splits=NS, has_bias=bias is not None,
-        has_norm=q_norm is not None, eps=eps, has_window=window is not None)
+        has_norm=q_norm is not None, eps=eps, has_window=window is not None, has_sinks=sinks is not None)
     whole = lambda shape: pl.BlockSpec(shape, lambda t, h, s: (0,) * len(shape))  # noqa: E731
     ints = [jnp.reshape(layer, (1,)), jnp.reshape(weight_layer, (1,)), _window_input(window), positions,
             slot_mapping, first_in_step, row_of_token, block_tables]
-    ins = [x.astype(jnp.int32) for x in ints] + [pad(qkv, spare_t, spare_r, 0), pad(cos, spare_t, 0),
+    ins = [x.astype(jnp.int32) for x in ints] + [_sinks_input(sinks, num_heads, spare_r),
+                                                 pad(qkv, spare_t, spare_r, 0), pad(cos, spare_t, 0),
                                                  pad(sin, spare_t, 0), *extra, k_pool.reshape(pages),
                                                  v_pool.reshape(pages)]
     H = num_heads + spare_r

@@ -62,3 +62,24 @@ def test_sliding_window_kernels_match_the_reference(window):
     cos, sin = rope_cos_sin(batch.positions, rope_inv_freq(cfg))
     out, _, _ = fused_attention_fn(cfg, lp, qkv, cos, sin, k_pool, v_pool, 1, batch, bs, None, window=window)
     assert np.abs(np.asarray(out, np.float32) - want)[~padding].max() <= 1e-3
+
+
+def test_attention_sinks_kernels_match_the_reference():
+    """Both Pallas kernels with attention sinks (the unfused one with its context split 4 ways too), lowered through
+    Triton, against the reference in float32 (TF32 dots: 1e-3)."""
+    from jaxspec.nn.ops import paged_attention_reference
+    from jaxspec.pallas.paged_attention import paged_attention
+    cfg, stacks, qkv, k_pool, v_pool, batch, bs = _fused_case(False, True, block_size=16, head_dim=128)
+    lp = LayerWeights(stacks, 1)
+    q, k, v = split_qkv(cfg, lp, qkv, batch.positions)
+    kv = write_kv({"k": k_pool, "v": v_pool}, 1, batch, k, v)
+    sinks = jnp.asarray(np.random.default_rng(5).normal(0, 2, cfg.num_heads), jnp.float32)
+    want = np.asarray(paged_attention_reference(q, kv["k"], kv["v"], 1, batch, bs, sinks=sinks), np.float32)
+    live = np.asarray(batch.slot_mapping) < k_pool.shape[1]
+    for splits in (1, 4):
+        out = paged_attention(q, kv["k"], kv["v"], jnp.int32(1), batch.positions, batch.row_of_token,
+                              batch.block_tables, block_size=bs, num_splits=splits, sinks=sinks)
+        assert np.abs(np.asarray(out, np.float32) - want)[live].max() <= 1e-3
+    cos, sin = rope_cos_sin(batch.positions, rope_inv_freq(cfg))
+    out, _, _ = fused_attention_fn(cfg, lp, qkv, cos, sin, k_pool, v_pool, 1, batch, bs, None, sinks=sinks)
+    assert np.abs(np.asarray(out, np.float32) - want)[live].max() <= 1e-3
