@@ -139,8 +139,19 @@ def add_server_args(p: argparse.ArgumentParser):
                    help="benchmarks: MODEL's shapes with random weights and no tokenizer (token-id prompts only)")
 
 
+def checked_server_options(p, args):
+    """A server CLI's MODEL and engine flags checked (p.error on a bad one), and its ServeOptions."""
+    from jaxspec.serve.options import options_from_args
+    check_model(p, "MODEL", args.model, random_weights=args.random_weights)
+    check_engine_args(p, args)
+    try:
+        return options_from_args(args)
+    except ValueError as e:
+        p.error(str(e))
+
+
 def serve(argv: list[str]):
-    from jaxspec.serve.options import add_serve_args, options_from_args
+    from jaxspec.serve.options import add_serve_args
     p = ArgumentParser(prog="jaxspec serve", description="An OpenAI-compatible server over one model.")
     add_server_args(p)
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -149,12 +160,7 @@ def serve(argv: list[str]):
     add_serve_args(p)
     args = p.parse_args(argv)
     with one_line_errors(p.prog):
-        check_model(p, "MODEL", args.model, random_weights=args.random_weights)
-        check_engine_args(p, args)
-        try:
-            options = options_from_args(args)
-        except ValueError as e:
-            p.error(str(e))
+        options = checked_server_options(p, args)
         from jaxspec.listen import LoadingResponder, listen
         sock = listen(args.host, args.port)   # before loading: a port in use is reported at once
         print(f"jaxspec serve: listening on {url_of(sock)}; requests are answered 503 until the model is loaded",

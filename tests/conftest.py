@@ -144,6 +144,27 @@ def pytest_collection_modifyitems(config, items):
         item.add_marker(skip)
 
 
+def hf_greedy(hf, prompt, n) -> list[int]:
+    """transformers' greedy continuation of `prompt` (token ids), `n` tokens, EOS ignored."""
+    import torch
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, num_beams=1,
+                          pad_token_id=0, eos_token_id=None)
+    return out[0, len(prompt):].tolist()
+
+
+def perturbed(model, noise: float, seed: int):
+    """The same model with every weight matrix moved by `noise` times its own scale: a draft that agrees often."""
+    import dataclasses
+
+    import jax
+    leaves, tree = jax.tree_util.tree_flatten(model.params)
+    keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
+    moved = [x + noise * jax.numpy.std(x) * jax.random.normal(key, x.shape, x.dtype) if x.ndim > 1 else x
+             for x, key in zip(leaves, keys)]
+    return dataclasses.replace(model, params=jax.tree_util.tree_unflatten(tree, moved), name=model.name + "-draft")
+
+
 def randomize_(model, seed: int):
     """Give every weight O(1)-scale random values (norm weights around 1) so parity tests see real signal."""
     import torch

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import randomize_
+from conftest import hf_greedy, perturbed, randomize_
 from reference import MtpReference, zero_centred_rms_norm
 from jaxspec import LLM, SamplingParams
 from jaxspec.models import load_model
@@ -230,14 +230,6 @@ MAX_TOKENS = [14, 9, 12, 6, 11]   # requests finish at different steps: rows mov
 ENGINE = dict(max_num_seqs=3, max_model_len=48, block_size=4)
 
 
-def hf_greedy(hf, prompt, n) -> list[int]:
-    import torch
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, num_beams=1,
-                          pad_token_id=0, eos_token_id=None)
-    return out[0, len(prompt):].tolist()
-
-
 @pytest.fixture(scope="module")
 def greedy_refs(hf_models):
     return {name: [hf_greedy(hf_models[name], p, n) for p, n in zip(PROMPTS, MAX_TOKENS)] for name in ENGINE_MODELS}
@@ -254,15 +246,6 @@ def test_greedy_generation_equals_transformers_generate(models, greedy_refs, nam
     assert run(llm) == greedy_refs[name]
     pc = llm.stats()["prefix_cache"]
     assert pc["enabled"] is False and "gated_deltanet" in pc["disabled_reason"] and "recurrent" in pc["disabled_reason"]
-
-
-def perturbed(model: Model, noise: float, seed: int) -> Model:
-    """The same model with every weight moved by `noise` times its own scale: a draft that agrees often."""
-    leaves, tree = jax.tree_util.tree_flatten(model.params)
-    keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
-    moved = [x + noise * jnp.std(x) * jax.random.normal(key, x.shape, x.dtype) if x.ndim > 1 else x
-             for x, key in zip(leaves, keys)]
-    return dataclasses.replace(model, params=jax.tree_util.tree_unflatten(tree, moved), name=model.name + "-draft")
 
 
 # ---- MTP drafting: the mtp.* head written into copies of the tiny checkpoints ---------------------------------

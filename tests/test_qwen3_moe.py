@@ -2,13 +2,11 @@
 layer 1 a mixture of 4 experts, 2 per token. Logits within float32 rounding of transformers'; greedy generation
 through the engine equal to transformers' `generate`, plainly and with a draft model (drafts accepted and
 rejected)."""
-import dataclasses
 
-import jax
 import numpy as np
 import pytest
 
-from conftest import TINY_DIMS, randomize_
+from conftest import TINY_DIMS, hf_greedy, perturbed, randomize_
 from jaxspec import LLM, SamplingParams
 from jaxspec.models import load_model
 
@@ -37,8 +35,7 @@ def checkpoint(tmp_path_factory):
     hf.save_pretrained(str(path), safe_serialization=True)
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     with torch.no_grad():
-        refs = [hf.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False, num_beams=1,
-                            pad_token_id=0, eos_token_id=None)[0, len(p):].tolist() for p in PROMPTS]
+        refs = [hf_greedy(hf, p, MAX_TOKENS) for p in PROMPTS]
         token_ids = np.random.default_rng(2).integers(0, 256, 24)
         logits = hf(torch.tensor([token_ids.tolist()])).logits[0].double().numpy()
     return path, refs, token_ids, logits
@@ -51,13 +48,6 @@ def test_logits_match_transformers(checkpoint):
     assert c.arch == "qwen3" and c.layer_types == ("attention", "attention_moe") and c.num_experts == 4
     got = model.score(token_ids)
     assert float(np.abs(np.asarray(got, np.float64) - logits).max() / np.abs(logits).max()) <= TOLERANCE
-
-
-def perturbed(model, noise: float, seed: int):
-    leaves, tree = jax.tree_util.tree_flatten(model.params)
-    keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
-    moved = [x + noise * jax.numpy.std(x) * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]
-    return dataclasses.replace(model, params=jax.tree_util.tree_unflatten(tree, moved))
 
 
 @pytest.mark.parametrize("speculation", [False, True])

@@ -6,11 +6,10 @@ across the window's edge, with chunked prefill; draft-model speculation gives th
 and rejected)."""
 import dataclasses
 
-import jax
 import numpy as np
 import pytest
 
-from conftest import TINY_DIMS, randomize_
+from conftest import TINY_DIMS, hf_greedy, perturbed, randomize_
 from jaxspec import LLM, SamplingParams
 from jaxspec.models import load_model
 
@@ -44,10 +43,7 @@ def hf_model(mistral_dir):
 
 @pytest.fixture(scope="module")
 def greedy_refs(hf_model):
-    import torch
-    with torch.no_grad():
-        return [hf_model.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False, num_beams=1,
-                                  pad_token_id=0, eos_token_id=None)[0, len(p):].tolist() for p in PROMPTS]
+    return [hf_greedy(hf_model, p, MAX_TOKENS) for p in PROMPTS]
 
 
 def relative_error(got, ref) -> float:
@@ -80,13 +76,6 @@ def test_greedy_generation_equals_transformers(mistral_dir, greedy_refs, monkeyp
     assert generate(llm) == greedy_refs
 
 
-def perturbed(model, noise: float, seed: int):
-    leaves, tree = jax.tree_util.tree_flatten(model.params)
-    keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
-    moved = [x + noise * jax.numpy.std(x) * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]
-    return dataclasses.replace(model, params=jax.tree_util.tree_unflatten(tree, moved))
-
-
 def test_draft_model_speculation_is_lossless(mistral_dir, greedy_refs):
     """A perturbed copy of the model drafts k = 3 (its attention windowed too); the verify step's windowed
     attention over the drafts gives the greedy tokens."""
@@ -103,10 +92,7 @@ LONG = 36   # generated tokens: the window moves well past the prompts
 
 @pytest.fixture(scope="module")
 def long_refs(hf_model):
-    import torch
-    with torch.no_grad():
-        return [hf_model.generate(torch.tensor([p]), max_new_tokens=LONG, do_sample=False, num_beams=1,
-                                  pad_token_id=0, eos_token_id=None)[0, len(p):].tolist() for p in PROMPTS]
+    return [hf_greedy(hf_model, p, LONG) for p in PROMPTS]
 
 
 def test_blocks_behind_the_window_are_released_and_tokens_stay_exact(mistral_dir, long_refs):
@@ -152,8 +138,7 @@ def qwen2_mixed(tmp_path_factory):
     model.save_pretrained(str(path), safe_serialization=True)
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     with torch.no_grad():
-        refs = [hf.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False, num_beams=1,
-                            pad_token_id=0, eos_token_id=None)[0, len(p):].tolist() for p in PROMPTS]
+        refs = [hf_greedy(hf, p, MAX_TOKENS) for p in PROMPTS]
         token_ids = np.random.default_rng(1).integers(0, 256, 30)
         logits = hf(torch.tensor([token_ids.tolist()])).logits[0].double().numpy()
     return path, refs, token_ids, logits

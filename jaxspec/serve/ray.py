@@ -449,10 +449,10 @@ def main(argv: list[str] | None = None):
     import argparse
     import os
     import time
-    from jaxspec.cli import (add_engine_args, add_http_args, add_server_args, check_engine_args, engine_kwargs,
+    from jaxspec.cli import (add_engine_args, add_http_args, add_server_args, checked_server_options, engine_kwargs,
                              http_options)
-    from jaxspec.cli_args import check_model, one_line_errors
-    from jaxspec.serve.options import add_serve_args, options_from_args
+    from jaxspec.cli_args import one_line_errors
+    from jaxspec.serve.options import add_serve_args
     p = argparse.ArgumentParser(prog="python -m jaxspec.serve.ray",
                                 description="jaxspec's OpenAI-compatible server, data-parallel on Ray Serve: "
                                             "--num-replicas engines behind one HTTP endpoint.")
@@ -481,12 +481,7 @@ def main(argv: list[str] | None = None):
     if not 0 <= args.stream_batching_interval_ms < float("inf"):
         p.error(f"--stream-batching-interval-ms {args.stream_batching_interval_ms} is invalid; give milliseconds >= 0")
     with one_line_errors(p.prog):
-        check_model(p, "MODEL", args.model, random_weights=args.random_weights)
-        check_engine_args(p, args)
-        try:
-            options = options_from_args(args)
-        except ValueError as e:
-            p.error(str(e))
+        options = checked_server_options(p, args)
         import ray
         from ray import serve
         ray.init(address=args.address or os.environ.get("RAY_ADDRESS"))
