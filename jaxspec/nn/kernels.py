@@ -48,7 +48,8 @@ def gemv_linear(x, lp, name: str, *, norm: str | None = None, eps: float | None 
         g, g_layer = stacked(lp, norm)
         assert g_layer == layer
     scale = _scales(lp, name)
-    tiling = tiling_for(w.shape[1], x.shape[1], norm=norm is not None, pairs=w.ndim == 4, fp8=scale is not None)
+    tiling = tiling_for(w.shape[1], x.shape[1], norm=norm is not None, pairs=w.ndim == 4, fp8=scale is not None,
+                        rows=x.shape[0], x_bytes=x.dtype.itemsize, w_bytes=w.dtype.itemsize)
     if tiling is None:
         return None
     if tiling.splits > 1:   # (norm and pairs tilings are never split)
@@ -66,7 +67,8 @@ def gemv_matmul(x, lp, name: str):
     if w.ndim == 4:   # [L, F, 2, K] -> [L, 2F, K]: a bitcast, the stack still read in place
         w = w.reshape(w.shape[0], -1, w.shape[-1])
         scale = None if scale is None else scale.reshape(scale.shape[0], -1)
-    tiling = tiling_for(w.shape[1], x.shape[1], norm=False, pairs=False, fp8=scale is not None)
+    tiling = tiling_for(w.shape[1], x.shape[1], norm=False, pairs=False, fp8=scale is not None, rows=x.shape[0],
+                        x_bytes=x.dtype.itemsize, w_bytes=w.dtype.itemsize)
     if tiling is None:
         return None
     y = gemv(x, w, layer, scale=scale, tiling=tiling)

@@ -194,12 +194,30 @@ def _largest_dividing(n: int, options) -> int | None:
     return next((o for o in options if n % o == 0), None)
 
 
-def tiling_for(N: int, K: int, *, norm: bool, pairs: bool, fp8: bool = False) -> Tiling | None:
+# Shared memory a program's pipelined tiles may take: an H100 block has 227 KiB, and Triton's own scratch (the norm's
+# sums, the layout conversions) took ~28 KiB more than the tiles where a float32 q/k/v-with-norm tiling asked for 244
+# KiB and was refused (tests/gpu/test_fp8_kernels.py at 32 float32 rows).
+TILE_SMEM_BYTES = 180 * 1024
+
+
+def _tile_bytes(bn: int, bk: int, stages: int, *, rows: int, x_bytes: int, w_bytes: int, pairs: bool) -> int:
+    """Shared memory of `stages` pipelined (x, w) tiles: x's [rows, bk] (rows padded to a power of two >= 16, as
+    Triton pads a block) and w's [bn, bk] (two of them for gate/up pairs)."""
+    rows = max(16, 1 << (rows - 1).bit_length())
+    return stages * (rows * bk * x_bytes + (2 if pairs else 1) * bn * bk * w_bytes)
+
+
+def tiling_for(N: int, K: int, *, norm: bool, pairs: bool, fp8: bool = False, rows: int = MAX_ROWS,
+               x_bytes: int = 2, w_bytes: int | None = None) -> Tiling | None:
     """The tiling measured fastest on an H100 for each kind of layer matmul (Qwen2.5-Coder-1.5B shapes at 8 and
     16 tokens, benchmarks/kernels/bench_gemv.py's sweep; docs/lab/2026-11-24-gemv-kernels.md), adapted to shapes
     it divides; None where no block divides the shape (the caller uses XLA's GEMM). FP8 weights (one byte each)
     take K steps twice as long, 4 warps and 3 stages (benchmarks/profiles/fp8_matmul.py --sweep, 8 and 32 tokens,
-    docs/lab/2026-11-27-fp8.md)."""
+    docs/lab/2026-11-27-fp8.md). Where `rows` activations of `x_bytes` each and the weight's tiles would not fit
+    TILE_SMEM_BYTES (float32 activations at the long K steps), the K step is halved until they do."""
+    w_bytes = (1 if fp8 else 2) if w_bytes is None else w_bytes
+    fits = lambda bn, bk, stages: _tile_bytes(bn, bk, stages, rows=rows, x_bytes=x_bytes, w_bytes=w_bytes,  # noqa: E731
+                                              pairs=pairs) <= TILE_SMEM_BYTES
     if pairs:      # gate/up with the norm and SwiGLU: 280 programs of 32 pairs
         bn, bk, S, warps, stages = 32, _largest_dividing(K, (256, 128, 64, 32, 16) if fp8 else (128, 64, 32, 16)), 1, \
             (4 if fp8 else 2), 3
@@ -208,9 +226,13 @@ def tiling_for(N: int, K: int, *, norm: bool, pairs: bool, fp8: bool = False) ->
     else:          # o and down: K split so that each program walks ~1-2k of it
         bn, warps, stages = 32, (4 if fp8 else 2 if K >= 4096 else 4), (3 if fp8 else 5)
         bk = _largest_dividing(K, (256, 128, 64, 32, 16) if fp8 else (128, 64, 32, 16))
+        while bk and bk > 16 and not fits(bn, bk, stages):
+            bk //= 2
         S = next((s for s in (5, 7, 4, 3, 2, 1) if K % (s * bk) == 0 and K // s >= 512), 1) if bk else 1
     if bk is None or N % bn:
         bn = 16
         if bk is None or N % bn:
             return None
+    while bk > 16 and not fits(bn, bk, stages):   # a halved K step still divides K
+        bk //= 2
     return Tiling(bn, bk, S, warps, stages)
