@@ -8,7 +8,11 @@ position p, and predict the token at p+2:
   EAGLE-3: feature = fc(the target's residual stream after layers 1, L//2-1 and L-4, concatenated); one
            layer whose attention reads [attn_norm(embed(token)); hidden_norm(feature)] (2D wide) with the
            feature as residual; `norm`, then its own lm_head over a draft vocabulary mapped to target ids.
-Later proposals feed back the head's own output hidden (before `norm`) as the feature. The token embedding
+Later proposals feed back the head's own output hidden (before `norm`) as the feature. A parallel EAGLE-3 head
+(`parallel`) proposes its k drafts in one forward instead: the pair at the last accepted position followed by k-1
+placeholders at the next positions, each [attn_norm(mask_embed); hidden_norm(mask_hidden)] with mask_hidden as its
+residual (two learned vectors), attending to the pairs and to the placeholders before it; placeholder j's output
+predicts draft j+1 (docs/parallel_drafting.md). The token embedding
 (and EAGLE-1's lm_head) are the target's: they come from the target's params, not the head's. An engine serving
 in FP8 quantizes the head's projections (fc and its layers') as the target's; EAGLE-3's lm_head stays, as the
 target's does (`EagleHead.quantization`).
@@ -43,6 +47,8 @@ class EagleHead:
     # "fp8": its params are quantized (jaxspec.nn.quant: the engine's quantization, at serving only; a head is
     # loaded and trained in its own dtype)
     quantization: str | None = None
+    # EAGLE-3 heads trained to draft in parallel: the placeholder vectors (mask_embed, mask_hidden) in their params
+    parallel: bool = False
 
     @property
     def aux_layers(self) -> tuple[int, ...]:
@@ -63,7 +69,9 @@ class EagleHead:
                     "hidden_norm": Spec((D,), ("embed",), "ones"),
                     "norm": Spec((D,), ("embed",), "ones"),
                     "lm_head": Spec((self.draft_vocab_size, D), ("draft_vocab", "embed")),
-                    "draft_to_target": Spec((self.draft_vocab_size,), ("draft_vocab",), "zeros", jnp.int32)}
+                    "draft_to_target": Spec((self.draft_vocab_size,), ("draft_vocab",), "zeros", jnp.int32),
+                    **({"mask_embed": Spec((D,), ("embed",)), "mask_hidden": Spec((D,), ("embed",))}
+                       if self.parallel else {})}
         layer = {**attention_params(c), **mlp_params(c)}
         schema = {"fc": Spec((D, 2 * D), ("embed", None)),
                   "layers": {"attention": {k: s.stacked(c.num_layers) for k, s in layer.items()}}}
@@ -85,10 +93,13 @@ class EagleHead:
         return hidden
 
     def forward(self, ops: Ops, params, target_params, kv, ids, feature, batch: ForwardBatch):
-        """ids i32[T], feature [T, D] -> (output hidden [T, D] before `norm`, kv)."""
+        """ids i32[T], feature [T, D] -> (output hidden [T, D] before `norm`, kv). A parallel head's placeholders
+        are ids < 0: they read mask_embed (their feature is the caller's mask_hidden)."""
         c = self.config
         embed = target_params["embed"]
         emb = embed[jnp.clip(ids, 0, embed.shape[0] - 1)]                                    # [T, D]
+        if self.parallel:
+            emb = jnp.where((ids < 0)[:, None], params["mask_embed"].astype(emb.dtype), emb)
         feature = feature.astype(emb.dtype)
         layers = params["layers"]["attention"]
         if self.method == "eagle3":

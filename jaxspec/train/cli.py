@@ -37,6 +37,9 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--learning-rate", type=float, default=3e-4)
     p.add_argument("--warmup-steps", type=int, default=100)
     p.add_argument("--ttt-steps", type=int, default=7, help="draft steps unrolled in training")
+    p.add_argument("--arch", default="chain", choices=["chain", "parallel"],
+                   help="chain: EAGLE-3, one head forward per draft; parallel: one forward proposes every draft "
+                        "(learned placeholders after the first)")
     p.add_argument("--draft-vocab-size", type=int, default=32000)
     p.add_argument("--save-every", type=int, default=500)
     p.add_argument("--cache-target-outputs", action="store_true",
@@ -52,7 +55,7 @@ def build_parser() -> ArgumentParser:
 
 # TrainConfig's fields set by the command line (each by the flag of its name)
 TRAIN_CONFIG_FIELDS = ("steps", "batch_size", "learning_rate", "warmup_steps", "ttt_steps", "draft_vocab_size",
-                       "save_every", "seed", "cache_target_outputs", "max_seconds")
+                       "save_every", "seed", "cache_target_outputs", "max_seconds", "arch")
 
 
 def check_args(p: ArgumentParser, args):
@@ -92,7 +95,7 @@ def run_training(args):
                           regenerate_max_tokens=args.regenerate_max_tokens,
                           regenerate_batch_size=args.regenerate_batch_size, save_every=args.save_every,
                           dtype=args.dtype, seed=args.seed, cache_target_outputs=args.cache_target_outputs,
-                          max_seconds=args.max_seconds, save_regenerated_to=args.save_regenerated)
+                          max_seconds=args.max_seconds, save_regenerated_to=args.save_regenerated, arch=args.arch)
     if result is None:
         print(json.dumps({"regenerated": args.save_regenerated}))
         return

@@ -5,6 +5,9 @@ from __future__ import annotations
 import dataclasses
 
 
+ARCHS = ("chain", "parallel")
+
+
 @dataclasses.dataclass
 class TrainConfig:
     steps: int = 2000
@@ -27,6 +30,9 @@ class TrainConfig:
     # The head's matmuls in training: "auto" is bfloat16 on a GPU (f32 master weights and optimizer state) and
     # float32 elsewhere.
     compute_dtype: str = "auto"
+    # "chain": each draft step reads the previous one's token and hidden (EAGLE-3); "parallel": one forward
+    # proposes all k drafts, steps after the first reading learned placeholders (docs/parallel_drafting.md)
+    arch: str = "chain"
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "ttt_steps", "draft_vocab_size", "save_every"):
@@ -36,5 +42,7 @@ class TrainConfig:
             raise ValueError(f"warmup_steps={self.warmup_steps!r} is invalid; it must be >= 0")
         if not 0 < self.learning_rate < 1:
             raise ValueError(f"learning_rate={self.learning_rate!r} is invalid; use a value in (0, 1)")
+        if self.arch not in ARCHS:
+            raise ValueError(f"arch={self.arch!r} is invalid; use one of {', '.join(map(repr, ARCHS))}")
         if self.max_seconds is not None and not self.max_seconds > 0:
             raise ValueError(f"max_seconds={self.max_seconds!r} is invalid; use a positive number or None")

@@ -10,7 +10,10 @@ Per training step, for a batch of rendered conversations ids [B, T] (mask [B, T]
         hidden = layer(x) attending to step 0's keys at positions <= a and to chain a's own keys of steps 1..j
         loss_j = cross-entropy(teacher at a+j+1, draft logits of hidden)        # it predicts token a+j+2
 
-which is what the engine's head (jaxspec.nn.eagle) computes at inference: from the last accepted position a, its
+A parallel head (TrainConfig.arch "parallel") has no token or hidden to feed back: its steps j >= 1 read the
+placeholders [norm(mask_embed); hidden_norm(mask_hidden)] at a+j, with mask_hidden as the residual, and attend to
+the same keys; step j still predicts token a+j+2, so the loss is the chain's. This is what the engine's head
+(jaxspec.nn.eagle) computes at inference: from the last accepted position a, its
 first draft reads the real feature at a, draft j the head's hidden of draft j-1, and each attends to the pairs
 written at positions <= a and to the chain's own. Gradients reach only the head; the target (and its embedding,
 which the head shares) stays frozen, and its features are computed here, never stored.
@@ -110,7 +113,8 @@ def _shift(x, n: int):
 def unrolled_logits(head: EagleHead, params, embed, ids, aux, num_steps: int, compute_dtype=jnp.float32,
                     ops: Ops = Ops()) -> list:
     """The head unrolled `num_steps` draft steps from every position at once -> [J] of draft-vocabulary logits
-    [B, T, Vd] f32: step j's row a is chain a's draft j, which predicts token a+j+2. ids i32[B, T];
+    [B, T, Vd] f32: step j's row a is chain a's draft j, which predicts token a+j+2 (a parallel head: its
+    placeholder j). ids i32[B, T];
     aux [B, T, 3D] the target's residual streams. The matmuls run in `compute_dtype` (bf16 on a GPU: the
     f32 params are cast here, so their gradients stay f32), each projection through `ops.linear` as at
     inference; norms, softmaxes and logits in f32."""
@@ -127,8 +131,11 @@ def unrolled_logits(head: EagleHead, params, embed, ids, aux, num_steps: int, co
     own_k, own_v, out_logits = [], [], []
     flat = lambda x: x.reshape(B * T, *x.shape[2:])                                      # noqa: E731
     for j in range(num_steps):
-        tok = _shift(ids, j + 1)                                                          # [B, T] t_{a+j+1}
-        emb = embed[tok].astype(compute_dtype)
+        if j and head.parallel:   # the placeholders: the same two vectors in every chain, at a+j
+            emb = jnp.broadcast_to(params["mask_embed"], hidden.shape)
+            hidden = jnp.broadcast_to(params["mask_hidden"], hidden.shape)
+        else:
+            emb = embed[_shift(ids, j + 1)].astype(compute_dtype)                         # [B, T, D] t_{a+j+1}
         x = jnp.concatenate([rms_norm(emb, lp["attn_norm"], c.rms_norm_eps),
                              rms_norm(hidden, params["hidden_norm"], c.rms_norm_eps)], -1)   # [B, T, 2D]
         positions = jnp.tile(jnp.arange(T, dtype=jnp.int32) + j, B)                      # chain a at a+j
@@ -271,7 +278,7 @@ def train(target, examples: Examples, out_dir, config: TrainConfig = TrainConfig
         d2t = draft_vocabulary(predicted, next_is_assistant, tc.vocab_size, config.draft_vocab_size)
     else:
         d2t = np.asarray(json.loads((out_dir / CHECKPOINTS / "head.json").read_text())["d2t"], np.int32)
-    head = EagleHead("eagle3", head_config(tc), tc, draft_vocab_size=len(d2t))
+    head = EagleHead("eagle3", head_config(tc), tc, draft_vocab_size=len(d2t), parallel=config.arch == "parallel")
 
     # The learning rate is an argument of the step, computed on the host: a time budget can then resize the
     # schedule after the first steps are timed without recompiling (the optimizer's state does not depend on it).
@@ -292,12 +299,15 @@ def train(target, examples: Examples, out_dir, config: TrainConfig = TrainConfig
             raise ValueError(f"{str(out_dir)!r} holds a checkpoint for a target of hidden_size="
                              f"{saved['hidden_size']}, vocab_size={saved['vocab_size']}; this target has "
                              f"{tc.hidden_size}, {tc.vocab_size}: use another --out directory")
+        if saved.get("arch", "chain") != config.arch:
+            raise ValueError(f"{str(out_dir)!r} holds a checkpoint of a head with arch={saved.get('arch', 'chain')!r};"
+                             f" this run asks for arch={config.arch!r}: resume with that arch or use another --out")
         restored = manager.restore(latest, args=ocp.args.StandardRestore({"params": params, "opt_state": opt_state}))
         params, opt_state, first_step = restored["params"], restored["opt_state"], latest
     else:
         (out_dir / CHECKPOINTS).mkdir(parents=True, exist_ok=True)
         (out_dir / CHECKPOINTS / "head.json").write_text(json.dumps(
-            {"hidden_size": tc.hidden_size, "vocab_size": tc.vocab_size, "d2t": d2t.tolist()}))
+            {"hidden_size": tc.hidden_size, "vocab_size": tc.vocab_size, "d2t": d2t.tolist(), "arch": config.arch}))
 
     target_fn = make_target_fn(tc, aux_layers)
     d2t_dev = jnp.asarray(d2t)
@@ -337,7 +347,8 @@ def train(target, examples: Examples, out_dir, config: TrainConfig = TrainConfig
         cache = jax.tree_util.tree_map(lambda *xs: jnp.concatenate(xs), *parts)
     total_steps, lr_at = config.steps, schedule(config.steps)
     timed_from, timed_until = first_step + 5, first_step + 25   # after the compile; then the budget is applied
-    bar = tqdm(total=total_steps, initial=first_step, desc="training EAGLE-3", disable=not progress, unit="step")
+    bar = tqdm(total=total_steps, initial=first_step, desc=f"training EAGLE-3 ({config.arch})", disable=not progress,
+               unit="step")
     step = first_step
     while step < total_steps:
         idx = _batches(len(examples), config.batch_size, config.seed, step)
@@ -403,7 +414,8 @@ def train(target, examples: Examples, out_dir, config: TrainConfig = TrainConfig
 def save_head(path, head: EagleHead, params: dict, d2t: np.ndarray) -> Path:
     """config.json + model.safetensors in the published EAGLE-3 layout: fc, midlayer.* (q/k/v/o, gate/up/down,
     input_layernorm, hidden_norm, post_attention_layernorm), norm, lm_head over the draft vocabulary, d2t (the
-    offset of each draft id's target id) and t2d (the target ids that are in the draft vocabulary)."""
+    offset of each draft id's target id) and t2d (the target ids that are in the draft vocabulary); a parallel
+    head adds its placeholders mask_embed and mask_hidden and `"parallel_drafting": true` in config.json."""
     from safetensors.numpy import save_file
     path = Path(path)
     c, tc = head.config, head.target_config
@@ -421,6 +433,8 @@ def save_head(path, head: EagleHead, params: dict, d2t: np.ndarray) -> Path:
         m + "self_attn.o_proj.weight": lp["o_proj"],
         m + "mlp.gate_proj.weight": lp["gate_up_proj"][:, 0], m + "mlp.up_proj.weight": lp["gate_up_proj"][:, 1],
         m + "mlp.down_proj.weight": lp["down_proj"]}
+    if head.parallel:
+        tensors.update(mask_embed=params["mask_embed"], mask_hidden=params["mask_hidden"])
     tensors = {k: np.ascontiguousarray(np.asarray(v, np.float32)) for k, v in tensors.items()}
     t2d = np.zeros(tc.vocab_size, bool)
     t2d[d2t] = True
@@ -432,6 +446,8 @@ def save_head(path, head: EagleHead, params: dict, d2t: np.ndarray) -> Path:
               "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta, "vocab_size": tc.vocab_size,
               "draft_vocab_size": len(d2t), "max_position_embeddings": 32768, "tie_word_embeddings": False,
               "torch_dtype": "float32"}
+    if head.parallel:
+        config["parallel_drafting"] = True
     # No eagle_aux_hidden_state_layer_ids: vLLM reads those ids as "the output of layer id-1" and SGLang as "the
     # output of layer id", so any value is wrong in one of them; both default to the layers this head reads.
     if c.rope_scaling_dict:   # llama3's, the one scaling ModelConfig holds: its type named, as the loaders require

@@ -5,7 +5,8 @@ Per step, with the target's batch (T tokens, R rows):
   (a) every token x_p of the batch (p >= 1) is paired with the feature at p-1 (the previous token of the
       row, or for a row's first token the feature this slot saved last step) and written at p-1;
   (b) k single-token-per-row head forwards: the first pairs the feature at the last accepted position
-      (num_tokens-2) with the emitted token, each next the head's output hidden with its own draft.
+      (num_tokens-2) with the emitted token, each next the head's output hidden with its own draft; or, for a
+      parallel head, one forward of k tokens per row: that pair, then k-1 placeholders at the next positions.
   Each slot saves the feature at its last position whose target KV is final, for (a) of its next step.
   A step whose draft width is 0 (adaptive speculation chose plain decoding) runs (a) and saves the feature
   only: the target's features of its tokens exist in that step alone, so (a) cannot be caught up later.
@@ -89,8 +90,15 @@ class EagleDrafter:
         if k == 0:   # a plain decoding step: the pairs and the saved feature only, for later steps that draft
             return dict(state, layers={"attention": kv}, feature=saved), jnp.zeros((ctx.emitted.shape[0], 0), jnp.int32)
 
-        # (b) k single-token head forwards per row.
         first_tok = jnp.take_along_axis(ctx.emitted, ctx.num_accepted[:, None], axis=1)[:, 0]  # [R]
+        if head.parallel:
+            kv, drafts, logprobs = self._propose_parallel(params, kv, ctx, first_tok, last_feature, last_pos)
+            new_state = dict(state, layers={"attention": kv}, feature=saved)
+            if self.draft_sampling == "sample":
+                new_state["draft_logprobs"] = state["draft_logprobs"].at[ctx.slot, :k].set(logprobs)
+            return new_state, drafts
+
+        # (b) k single-token head forwards per row.
 
         def draft_one(carry, j):
             kv, feat, tok, pos, grammar_state = carry
@@ -107,6 +115,36 @@ class EagleDrafter:
         if self.draft_sampling == "sample":
             new_state["draft_logprobs"] = state["draft_logprobs"].at[ctx.slot, :k].set(jnp.swapaxes(logprobs, 0, 1))
         return new_state, drafts.T                                                             # [R, k]
+
+
+    def _propose_parallel(self, params, kv, ctx, first_tok, last_feature, last_pos):
+        """(b) of a parallel head: row r's k tokens (its emitted token paired with the feature at last_pos, then
+        k-1 placeholders) at positions last_pos .. last_pos+k-1, in one forward; each attends to the row's pairs
+        and to the group's tokens before it. The drafts are then picked in order from the k outputs (each
+        after the grammar state its predecessors reached) -> (kv, drafts [R, k], logprobs [R, k, V] or None)."""
+        head, ops, k, b = self.head, ctx.ops, ctx.num_speculative_tokens, ctx.batch
+        R, S = first_tok.shape[0], ctx.cache.num_kv_slots
+        rows = jnp.repeat(jnp.arange(R, dtype=jnp.int32), k)                                  # [R*k], row-major
+        offset = jnp.tile(jnp.arange(k, dtype=jnp.int32), R)
+        ids = jnp.where(offset == 0, first_tok[rows], -1)                                    # -1: a placeholder
+        feature = jnp.where((offset == 0)[:, None], last_feature[rows],
+                            params["mask_hidden"].astype(last_feature.dtype))
+        positions = last_pos[rows] + offset
+        valid = ctx.sample_rows[rows]
+        slots = kv_slots_for(positions, rows, valid, b.block_tables, ops.block_size, S)
+        group = ForwardBatch(ids, jnp.maximum(positions, 0), slots, rows, b.block_tables,
+                             jnp.arange(R * k, dtype=jnp.int32), slot_of_row=ctx.slot,
+                             first_token_of_row=jnp.arange(R, dtype=jnp.int32) * k, writes_state=valid)
+        hidden, kv = head.forward(ops, params, ctx.target_params, kv, ids, feature, group)   # [R*k, D]
+        logits = head.logits(ops, params, ctx.target_params, hidden).reshape(R, k, -1)
+
+        grammar_state, drafts, logprobs = grammar_start(ctx, R), [], []
+        for j in range(k):   # picking is cheap (no forward): the loop only carries the grammar's state
+            draft, lp = pick_drafts(logits[:, j], ctx, j, self.draft_sampling, grammar_state)
+            grammar_state = grammar_next(ctx, grammar_state, draft)
+            drafts.append(draft)
+            logprobs.append(lp)
+        return kv, jnp.stack(drafts, 1), (jnp.stack(logprobs, 1) if self.draft_sampling == "sample" else None)
 
 
 # ---- loading ----------------------------------------------------------------------------------------------
@@ -178,9 +216,14 @@ def load_eagle_head(path, target_config, dtype) -> tuple[EagleHead, dict]:
         raise ValueError(f"the EAGLE head has vocab_size={config.vocab_size} but the target has {tc.vocab_size}: "
                          "it must share the target's tokenizer and vocabulary")
     eagle3 = "midlayer.self_attn.q_proj.weight" in tensors
+    parallel = eagle3 and "mask_hidden" in tensors
+    if bool(hf.get("parallel_drafting")) != parallel:
+        raise ValueError(f"the EAGLE head's config says parallel_drafting={hf.get('parallel_drafting')!r} but its "
+                         f"tensors {'have' if parallel else 'lack'} the placeholders 'mask_embed' and 'mask_hidden'")
     head = EagleHead("eagle3" if eagle3 else "eagle", config, tc, fc_bias="fc.bias" in tensors,
                      final_norm="norm.weight" in tensors and not eagle3,
-                     draft_vocab_size=int(hf.get("draft_vocab_size", config.vocab_size)) if eagle3 else 0)
+                     draft_vocab_size=int(hf.get("draft_vocab_size", config.vocab_size)) if eagle3 else 0,
+                     parallel=parallel)
     if eagle3:
         _check_aux_layers(hf, head)
     schema = head.param_schema()
@@ -197,7 +240,8 @@ def load_eagle_head(path, target_config, dtype) -> tuple[EagleHead, dict]:
     if eagle3 and not all(prefix + "input_layernorm.weight" in tensors for prefix in prefixes):
         raise ValueError("the EAGLE-3 head has no tensor 'midlayer.input_layernorm.weight'")
     for key, name in (("fc", "fc.weight"), ("fc_bias", "fc.bias"), ("norm", "norm.weight"),
-                      ("hidden_norm", "midlayer.hidden_norm.weight"), ("lm_head", "lm_head.weight")):
+                      ("hidden_norm", "midlayer.hidden_norm.weight"), ("lm_head", "lm_head.weight"),
+                      ("mask_embed", "mask_embed"), ("mask_hidden", "mask_hidden")):
         if key in schema:
             params[key] = _tensor(tensors, name, schema[key].shape, np_dtype)
     if eagle3:
