@@ -135,3 +135,12 @@ def test_a_head_whose_config_and_tensors_disagree_is_refused(target, heads, tmp_
     (bad / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="parallel_drafting"):
         load_eagle_head(bad, target.config, "float32")
+
+
+def test_an_unknown_arch_and_resuming_with_another_arch_are_refused(target, heads):
+    from jaxspec.train import Examples, TrainConfig, train
+    with pytest.raises(ValueError, match="arch='tree' is invalid; use one of 'chain', 'parallel'"):
+        TrainConfig(arch="tree")
+    examples = Examples(np.zeros((2, 8), np.int32), np.ones((2, 8), np.float32))
+    with pytest.raises(ValueError, match="arch='parallel'.*arch='chain'"):
+        train(target, examples, heads["trained"], TrainConfig(steps=1, batch_size=2, arch="chain"), progress=False)
