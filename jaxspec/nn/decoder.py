@@ -119,16 +119,21 @@ class Decoder:
         return {k: per_slot_fields(LAYER_KINDS[k].state(self.config, cache)) for k in self.kinds}
 
     # ---- one dense sequence -------------------------------------------------------------------------
-    def dense_forward(self, params: dict, token_ids, aux_layers: tuple[int, ...] = ()):
+    def dense_forward(self, params: dict, token_ids, aux_layers: tuple[int, ...] = (), segments=None):
         """Dense causal forward over one sequence i32[T], no paging: (f32 logits [T, V], hidden [T, D] after the
-        final norm, aux [len(aux_layers), T, D] or None). What `score` and EAGLE training run."""
+        final norm, aux [len(aux_layers), T, D] or None). What `score` and EAGLE training run. `segments` i32[T]:
+        several sequences packed end to end (a run of equal values is one): positions restart at each and a token
+        attends within its own only."""
         T = token_ids.shape[0]
         dense = dataclasses.replace(self, ops=dataclasses.replace(self.ops, attention="dense", block_size=T, tp=None))
-        positions = jnp.arange(T, dtype=jnp.int32)
+        slots = jnp.arange(T, dtype=jnp.int32)
+        rows, positions = jnp.zeros(T, jnp.int32), slots
+        if segments is not None:   # dense attention sees only keys of the token's own row
+            rows, positions = segments, segment_positions(segments)
         state = initialize(dense.state_schema(CacheShape(num_kv_slots=T, num_slots=1)), params["embed"].dtype)
         zero = jnp.zeros((1,), jnp.int32)
-        batch = ForwardBatch(token_ids, positions, positions, jnp.zeros(T, jnp.int32), jnp.zeros((1, 1), jnp.int32),
-                             positions, slot_of_row=zero, first_token_of_row=zero)
+        batch = ForwardBatch(token_ids, positions, slots, rows, jnp.zeros((1, 1), jnp.int32),
+                             slots, slot_of_row=zero, first_token_of_row=zero)
         logits, hidden, aux, _ = dense.forward(params, state, batch, aux_layers)
         return logits, hidden, aux
 
@@ -136,3 +141,11 @@ class Decoder:
     def score(self, params: dict, token_ids):
         """Dense causal forward over one sequence, no paging: f32 logits [T, V]."""
         return self.dense_forward(params, token_ids)[0]
+
+
+def segment_positions(segments):
+    """i32[..., T] runs of equal segment ids -> each token's position within its run."""
+    T = segments.shape[-1]
+    index = jnp.arange(T, dtype=jnp.int32)
+    starts = jnp.concatenate([jnp.ones(segments.shape[:-1] + (1,), bool), segments[..., 1:] != segments[..., :-1]], -1)
+    return index - jax.lax.cummax(jnp.where(starts, index, 0), axis=segments.ndim - 1)

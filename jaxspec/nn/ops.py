@@ -122,10 +122,12 @@ def paged_attention_reference(q, k_pool, v_pool, layer, batch: ForwardBatch, blo
 
 def dense_causal_attention(q, k_pool, v_pool, layer, batch: ForwardBatch, block_size: int,
                            window: int | None = None, sinks=None):
-    """One sequence whose token t sits at KV slot t: plain causal attention (no pages)."""
+    """One sequence whose token t sits at KV slot t: plain causal attention (no pages). Tokens of other rows
+    (`row_of_token`: sequences packed end to end, Decoder.dense_forward) are not seen."""
     T, Hq, hd = q.shape
     k, v = k_pool[layer][:T], v_pool[layer][:T]
     mask = in_window(batch.positions[None, :], batch.positions[:, None], window)
+    mask &= batch.row_of_token[None, :] == batch.row_of_token[:, None]
     return _attend(q.reshape(T, k.shape[1], -1, hd), k, v, mask, 1.0 / math.sqrt(hd), sinks)
 
 

@@ -1,6 +1,7 @@
 """`jaxspec-train-eagle`: train an EAGLE-3 head for a target model (see jaxspec.train)."""
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 
@@ -37,6 +38,9 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--learning-rate", type=float, default=3e-4)
     p.add_argument("--warmup-steps", type=int, default=100)
     p.add_argument("--ttt-steps", type=int, default=7, help="draft steps unrolled in training")
+    p.add_argument("--pack", action=argparse.BooleanOptionalAction, default=True,
+                   help="several conversations end to end in each --seq-len row (attention, positions and "
+                        "predictions kept within each): fewer padded tokens per step (--no-pack: one per row)")
     p.add_argument("--arch", default="chain", choices=["chain", "parallel"],
                    help="chain: EAGLE-3, one head forward per draft; parallel: one forward proposes every draft "
                         "(learned placeholders after the first)")
@@ -55,7 +59,7 @@ def build_parser() -> ArgumentParser:
 
 # TrainConfig's fields set by the command line (each by the flag of its name)
 TRAIN_CONFIG_FIELDS = ("steps", "batch_size", "learning_rate", "warmup_steps", "ttt_steps", "draft_vocab_size",
-                       "save_every", "seed", "cache_target_outputs", "max_seconds", "arch")
+                       "save_every", "seed", "cache_target_outputs", "max_seconds", "arch", "pack")
 
 
 def check_args(p: ArgumentParser, args):
@@ -95,14 +99,16 @@ def run_training(args):
                           regenerate_max_tokens=args.regenerate_max_tokens,
                           regenerate_batch_size=args.regenerate_batch_size, save_every=args.save_every,
                           dtype=args.dtype, seed=args.seed, cache_target_outputs=args.cache_target_outputs,
-                          max_seconds=args.max_seconds, save_regenerated_to=args.save_regenerated, arch=args.arch)
+                          max_seconds=args.max_seconds, save_regenerated_to=args.save_regenerated, arch=args.arch,
+                          pack=args.pack)
     if result is None:
         print(json.dumps({"regenerated": args.save_regenerated}))
         return
     print(json.dumps({"out": str(result.out_dir), "steps": len(result.losses), "first_step": result.first_step,
                       "seconds": round(result.seconds, 1), "examples": result.num_examples,
                       "target_tokens": result.num_target_tokens,
-                      "final_loss": result.losses[-1] if result.losses else None, "held_out": result.held_out},
+                      "final_loss": result.losses[-1] if result.losses else None, "held_out": result.held_out,
+                      "throughput": result.throughput},
                      indent=1))
 
 

@@ -33,6 +33,9 @@ class TrainConfig:
     # "chain": each draft step reads the previous one's token and hidden (EAGLE-3); "parallel": one forward
     # proposes all k drafts, steps after the first reading learned placeholders (docs/parallel_drafting.md)
     arch: str = "chain"
+    # Several examples end to end in each row (Examples.pack): fewer padded tokens per step; attention, positions
+    # and predictions stay within each example
+    pack: bool = False
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "ttt_steps", "draft_vocab_size", "save_every"):

@@ -21,6 +21,10 @@ TEXT = "text"   # the role of a raw prompt: encoded as it is, no chat template
 class Examples:
     ids: np.ndarray     # i32[N, T] token ids, 0-padded after each conversation's end
     mask: np.ndarray    # f32[N, T] 1 where the token is the assistant's (what the head is trained to predict)
+    lengths: np.ndarray | None = None    # i32[N] tokens of each row before its padding (None: read off ids / mask)
+    # i32[N, T] packed rows (`pack`): which of the row's examples each token belongs to, from 1; 0 is padding.
+    # None: one example per row.
+    segments: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -28,7 +32,43 @@ class Examples:
     def split(self, num_held_out: int) -> tuple["Examples", "Examples"]:
         """(training, held-out): the last `num_held_out` examples are held out."""
         n = len(self) - num_held_out
-        return Examples(self.ids[:n], self.mask[:n]), Examples(self.ids[n:], self.mask[n:])
+        cut = lambda x, part: None if x is None else x[part]   # noqa: E731
+        return tuple(Examples(self.ids[part], self.mask[part], cut(self.lengths, part), cut(self.segments, part))
+                     for part in (slice(None, n), slice(n, None)))
+
+    def row_lengths(self) -> np.ndarray:
+        """Tokens of each row before its padding: `lengths`, or the last nonzero id or masked token + 1."""
+        if self.lengths is not None:
+            return np.asarray(self.lengths, np.int64)
+        used = (self.ids != 0) | (self.mask > 0)
+        return np.where(used.any(1), self.ids.shape[1] - np.argmax(used[:, ::-1], axis=1), 0)
+
+    def pack(self) -> "Examples":
+        """The same examples end to end in as few rows of the same length as first fit (longest first) allows:
+        `segments` numbers each row's examples from 1, and the target and the head restart positions and
+        attention at each (Decoder.dense_forward, jaxspec.train.eagle3), so a packed row trains what its examples
+        would alone, with less padding. Already packed examples are returned as they are."""
+        if self.segments is not None:
+            return self
+        T, lengths = self.ids.shape[1], self.row_lengths()
+        rows, free = [], []
+        for i in np.argsort(-lengths, kind="stable"):
+            r = next((r for r, room in enumerate(free) if room >= lengths[i]), None)
+            if r is None:
+                rows.append([])
+                free.append(T)
+                r = len(rows) - 1
+            rows[r].append(i)
+            free[r] -= lengths[i]
+        ids, mask = np.zeros((len(rows), T), np.int32), np.zeros((len(rows), T), np.float32)
+        segments = np.zeros((len(rows), T), np.int32)
+        for r, members in enumerate(rows):
+            at = 0
+            for s, i in enumerate(members, start=1):
+                n = lengths[i]
+                ids[r, at:at + n], mask[r, at:at + n], segments[r, at:at + n] = self.ids[i, :n], self.mask[i, :n], s
+                at += n
+        return Examples(ids, mask, np.asarray([T - room for room in free], np.int32), segments)
 
     @property
     def num_target_tokens(self) -> int:
@@ -110,7 +150,7 @@ def render(tokenizer, conversations: list[list[dict]], seq_len: int, min_target_
             return tokenizer.encode(messages[0]["content"], add_special_tokens=True)
         return tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt))
 
-    rows_ids, rows_mask = [], []
+    rows_ids, rows_mask, lengths = [], [], []
     for messages in tqdm(conversations, desc="rendering conversations", disable=not progress, unit="conv"):
         ids: list[int] = []
         mask: list[float] = []
@@ -135,10 +175,11 @@ def render(tokenizer, conversations: list[list[dict]], seq_len: int, min_target_
             continue
         rows_ids.append(ids + [0] * (seq_len - len(ids)))
         rows_mask.append(mask + [0.0] * (seq_len - len(mask)))
+        lengths.append(len(ids))
     if not rows_ids:
         raise ValueError(f"nothing to train on: none of the {len(conversations)} conversations has "
                          f">= {min_target_tokens} assistant tokens within seq_len={seq_len}")
-    return Examples(np.asarray(rows_ids, np.int32), np.asarray(rows_mask, np.float32))
+    return Examples(np.asarray(rows_ids, np.int32), np.asarray(rows_mask, np.float32), np.asarray(lengths, np.int32))
 
 
 def regenerate(llm, conversations: list[list[dict]], max_tokens: int, temperature: float = 0.0,

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.models.config import ModelConfig
-from jaxspec.nn.decoder import Decoder
+from jaxspec.nn.decoder import Decoder, segment_positions
 from jaxspec.nn.eagle import EagleHead, eagle3_aux_layers
 from jaxspec.nn.layers import mlp, project_qkv
 from jaxspec.nn.ops import Ops, rms_norm
@@ -89,18 +89,20 @@ def init_head(head: EagleHead, target_params: dict, d2t: np.ndarray, seed: int) 
 # ---- the device side ---------------------------------------------------------------------------------------
 
 def make_target_fn(target_config: ModelConfig, aux_layers: tuple[int, ...]):
-    """jit: (target params, ids [B, T], d2t [Vd]) -> (aux [B, T, 3D] f32, teacher log-probs over the draft
-    vocabulary [B, T, Vd] f32, in_vocab bool[B, T]: the target's argmax is a draft-vocabulary token)."""
+    """jit: (target params, ids [B, T], d2t [Vd], segments [B, T] or None) -> (aux [B, T, 3D] f32, teacher
+    log-probs over the draft vocabulary [B, T, Vd] f32, in_vocab bool[B, T]: the target's argmax is a
+    draft-vocabulary token). Packed rows (segments) run as their sequences would alone."""
     decoder = Decoder(target_config)
 
     @jax.jit
-    def target_fn(params, ids, d2t):
-        def one(seq):
-            logits, _, aux = decoder.dense_forward(params, seq, aux_layers)      # [T, V], _, [3, T, D]
+    def target_fn(params, ids, d2t, segments=None):
+        def one(row):
+            seq, seg = row
+            logits, _, aux = decoder.dense_forward(params, seq, aux_layers, seg)  # [T, V], _, [3, T, D]
             in_vocab = jnp.zeros(logits.shape[-1], bool).at[d2t].set(True)[jnp.argmax(logits, -1)]
             teacher = jax.nn.log_softmax(logits[:, d2t], axis=-1)                # [T, Vd]
             return jnp.concatenate(list(aux), -1).astype(jnp.float32), teacher, in_vocab
-        return jax.lax.map(one, ids)
+        return jax.lax.map(one, (ids, segments))
     return target_fn
 
 
@@ -111,13 +113,14 @@ def _shift(x, n: int):
 
 
 def unrolled_logits(head: EagleHead, params, embed, ids, aux, num_steps: int, compute_dtype=jnp.float32,
-                    ops: Ops = Ops()) -> list:
+                    ops: Ops = Ops(), segments=None) -> list:
     """The head unrolled `num_steps` draft steps from every position at once -> [J] of draft-vocabulary logits
     [B, T, Vd] f32: step j's row a is chain a's draft j, which predicts token a+j+2 (a parallel head: its
     placeholder j). ids i32[B, T];
     aux [B, T, 3D] the target's residual streams. The matmuls run in `compute_dtype` (bf16 on a GPU: the
     f32 params are cast here, so their gradients stay f32), each projection through `ops.linear` as at
-    inference; norms, softmaxes and logits in f32."""
+    inference; norms, softmaxes and logits in f32. `segments` [B, T]: packed rows (Examples.pack): positions
+    restart at each of a row's sequences and a chain attends within its own."""
     params = jax.tree_util.tree_map(lambda x: x.astype(compute_dtype), params)
     aux = aux.astype(compute_dtype)
     c = head.config
@@ -125,7 +128,11 @@ def unrolled_logits(head: EagleHead, params, embed, ids, aux, num_steps: int, co
     Hq, Hkv, hd = c.num_heads, c.num_kv_heads, c.head_dim
     G, scale = Hq // Hkv, 1.0 / math.sqrt(hd)
     lp = {k: w[0] for k, w in params["layers"]["attention"].items()}
-    causal = jnp.tril(jnp.ones((T, T), bool))
+    causal = jnp.tril(jnp.ones((T, T), bool))[None]                                       # [1|B, T, T]
+    base = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    if segments is not None:
+        causal = causal & (segments[:, :, None] == segments[:, None, :])
+        base = segment_positions(segments)
     hidden = ops.linear(aux, params, "fc")                                                # [B, T, D]
     keys0 = values0 = None
     own_k, own_v, out_logits = [], [], []
@@ -138,7 +145,7 @@ def unrolled_logits(head: EagleHead, params, embed, ids, aux, num_steps: int, co
             emb = embed[_shift(ids, j + 1)].astype(compute_dtype)                         # [B, T, D] t_{a+j+1}
         x = jnp.concatenate([rms_norm(emb, lp["attn_norm"], c.rms_norm_eps),
                              rms_norm(hidden, params["hidden_norm"], c.rms_norm_eps)], -1)   # [B, T, 2D]
-        positions = jnp.tile(jnp.arange(T, dtype=jnp.int32) + j, B)                      # chain a at a+j
+        positions = (base + j).reshape(B * T)                                            # chain a at a+j
         q, k, v = project_qkv(c, ops, lp, flat(x), positions)                             # [BT, Hq|Hkv, hd]
         q = q.reshape(B, T, Hkv, G, hd)
         k, v = k.reshape(B, T, Hkv, hd), v.reshape(B, T, Hkv, hd)
@@ -148,7 +155,7 @@ def unrolled_logits(head: EagleHead, params, embed, ids, aux, num_steps: int, co
             own_k.append(k)
             own_v.append(v)
         s0 = jnp.einsum("btkgd,bskd->btkgs", q, keys0) * scale                            # [B, T, Hkv, G, T]
-        s0 = jnp.where(causal[None, :, None, None, :], s0, -jnp.inf)
+        s0 = jnp.where(causal[:, :, None, None, :], s0, -jnp.inf)
         s_own = [jnp.einsum("btkgd,btkd->btkg", q, ki)[..., None] * scale for ki in own_k]
         p = jax.nn.softmax(jnp.concatenate([s0] + s_own, -1).astype(jnp.float32), -1).astype(compute_dtype)
         out = jnp.einsum("btkgs,bskd->btkgd", p[..., :T], values0)
@@ -162,17 +169,21 @@ def unrolled_logits(head: EagleHead, params, embed, ids, aux, num_steps: int, co
 
 
 def ttt_forward(head: EagleHead, params, embed, ids, aux, teacher, weights, num_steps: int, step_decay: float,
-                counted=None, compute_dtype=jnp.float32):
+                counted=None, compute_dtype=jnp.float32, segments=None):
     """The training-time test over a batch -> (weighted loss, (per-step loss [J], per-step accuracy [J],
     hits bool[J, B, T]: chain a's draft j is the target's token a+j+2 and that token is trained)).
     teacher: the target's log-probs over the draft vocabulary [B, T, Vd]; weights [B, T]: 1 where position p's
     prediction (of token p+1) is trained. Accuracy is over `weights` too, or over `counted` when given (every
     assistant position: a draft cannot match where the target's argmax is outside the draft vocabulary, and
-    those positions carry weight 0 in `weights`)."""
+    those positions carry weight 0 in `weights`). Packed rows (`segments`): a chain predicts no token of the next
+    sequence."""
     losses, accs, hit_maps, total = [], [], [], 0.0
-    for j, logits in enumerate(unrolled_logits(head, params, embed, ids, aux, num_steps, compute_dtype)):
+    for j, logits in enumerate(unrolled_logits(head, params, embed, ids, aux, num_steps, compute_dtype,
+                                               segments=segments)):
         t_lp = _shift(teacher, j + 1)                                                     # teacher at a+j+1
         w = _shift(weights, j + 1)
+        if segments is not None:   # token a+j+2 in chain a's own sequence
+            w = w * (_shift(segments, j + 2) == segments)
         ce = -jnp.sum(jnp.exp(t_lp) * jax.nn.log_softmax(logits, -1), -1)                 # [B, T]
         n = jnp.maximum(jnp.sum(w), 1.0)
         losses.append(jnp.sum(w * ce) / n)
@@ -226,6 +237,59 @@ def estimated_acceptance_length(accuracies, k: int) -> float:
     return float(1 + np.sum(np.cumprod(acc)))
 
 
+# ---- throughput -----------------------------------------------------------------------------------------------
+
+# Dense bf16 peak of the GPUs this trainer is measured on (FLOP/s), for the model FLOPs utilisation; other devices
+# get none.
+PEAK_FLOPS = {"H100": 989.4e12, "H200": 989.4e12}
+
+
+def peak_flops() -> float | None:
+    kind = jax.devices()[0].device_kind
+    return next((v for k, v in PEAK_FLOPS.items() if k in kind), None)
+
+
+def training_throughput(target_params, head_params, examples, config: TrainConfig, step_seconds, target_seconds,
+                        data_seconds) -> dict:
+    """Tokens per second and model FLOPs utilisation of a training step and of its phases: the data (the host's
+    batch), the target's forward (with cached target outputs: their one pass, per batch), the head's steps (the
+    step less the target's forward). FLOPs: 2 per parameter per position for the target (its lm_head, not its
+    embedding lookup), 6 for the head's forward and backward at each of its unrolled steps; attention's
+    score FLOPs are left out. Positions are every row's B x T, padding included: `padding_fraction` says how many
+    of them carry no token (what packing removes). {} when too few steps ran to time."""
+    if step_seconds is None:
+        return {}
+    size = lambda tree: sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(tree))   # noqa: E731
+    target_size = size(target_params) - (target_params["embed"].size if "lm_head" in target_params else 0)
+    B, T = config.batch_size, examples.ids.shape[1]
+    positions = B * T
+    used = float(examples.row_lengths().mean()) / T
+    target_flops = 2 * target_size * positions
+    head_flops = 6 * size(head_params) * positions * config.ttt_steps
+    cached = config.cache_target_outputs
+    head_seconds = step_seconds if cached else max(step_seconds - target_seconds, 1e-9)
+    peak = peak_flops()
+    mfu = (lambda flops, s: None if peak is None else flops / s / peak)   # noqa: E731
+    trained_per_row = examples.num_target_tokens / len(examples)
+    return {"step_ms": 1e3 * step_seconds, "padding_fraction": 1 - used,
+            "target_tokens_per_s": trained_per_row * B / step_seconds,
+            "sequence_tokens_per_s": used * positions / step_seconds,
+            "phases_ms": {"data": 1e3 * data_seconds, "target_forward": 1e3 * target_seconds,
+                          "head": 1e3 * head_seconds},
+            "mfu": {"target_forward": mfu(target_flops, target_seconds), "head": mfu(head_flops, head_seconds),
+                    "step": mfu(head_flops + (0 if cached else target_flops), step_seconds)}}
+
+
+def format_throughput(t: dict) -> str:
+    pct = lambda x: "n/a (no peak known for this device)" if x is None else f"{100 * x:.1f}%"   # noqa: E731
+    ph = t["phases_ms"]
+    return (f"training: {t['step_ms']:.1f} ms/step, {t['target_tokens_per_s']:.0f} target tokens/s, "
+            f"{t['sequence_tokens_per_s']:.0f} sequence tokens/s, {100 * t['padding_fraction']:.0f}% padding; "
+            f"phases: data {ph['data']:.2f} ms, target forward {ph['target_forward']:.1f} ms (MFU "
+            f"{pct(t['mfu']['target_forward'])}), head {ph['head']:.1f} ms (MFU {pct(t['mfu']['head'])}); "
+            f"step MFU {pct(t['mfu']['step'])}")
+
+
 # ---- the loop -----------------------------------------------------------------------------------------------
 
 @dataclasses.dataclass
@@ -238,6 +302,7 @@ class TrainResult:
     seconds: float
     num_examples: int
     num_target_tokens: int
+    throughput: dict = dataclasses.field(default_factory=dict)   # training_throughput's; {} with too few steps
 
 
 def _batches(n: int, batch_size: int, seed: int, step: int) -> np.ndarray:
@@ -279,6 +344,9 @@ def train(target, examples: Examples, out_dir, config: TrainConfig = TrainConfig
     else:
         d2t = np.asarray(json.loads((out_dir / CHECKPOINTS / "head.json").read_text())["d2t"], np.int32)
     head = EagleHead("eagle3", head_config(tc), tc, draft_vocab_size=len(d2t), parallel=config.arch == "parallel")
+    num_examples = len(examples)
+    if config.pack:   # after the draft vocabulary, which reads the examples one per row
+        examples = examples.pack()
 
     # The learning rate is an argument of the step, computed on the host: a time budget can then resize the
     # schedule after the first steps are timed without recompiling (the optimizer's state does not depend on it).
@@ -317,11 +385,12 @@ def train(target, examples: Examples, out_dir, config: TrainConfig = TrainConfig
 
     # The target's weights are arguments (as constants they would be copied into the compiled program).
     @jax.jit
-    def train_step(params, opt_state, target_params, ids, mask, learning_rate, cached=None):
-        aux, teacher, in_vocab = cached if cached is not None else target_fn(target_params, ids, d2t_dev)
+    def train_step(params, opt_state, target_params, ids, mask, learning_rate, cached=None, segments=None):
+        aux, teacher, in_vocab = cached if cached is not None else target_fn(target_params, ids, d2t_dev, segments)
         weights = loss_weights(mask, in_vocab)
         grad_fn = jax.value_and_grad(lambda p: ttt_forward(head, p, target_params["embed"], ids, aux, teacher,
-                                                           weights, J, decay, compute_dtype=cd), has_aux=True)
+                                                           weights, J, decay, compute_dtype=cd, segments=segments),
+                                     has_aux=True)
         (loss, (_, accs, _)), grads = grad_fn(params)
         updates, opt_state = optimizer(learning_rate).update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss, accs
@@ -337,28 +406,39 @@ def train(target, examples: Examples, out_dir, config: TrainConfig = TrainConfig
 
     losses, accs = [], []
     t0 = time.perf_counter()
-    cache = None
+    cache, target_seconds = None, None
     if config.cache_target_outputs:   # the target's features and teacher of every example, once (on the device)
-        parts = []
+        parts, t_cache = [], time.perf_counter()
         for i in tqdm(range(0, len(examples), config.batch_size), desc="target features (cached)",
                       disable=not progress, unit="batch"):
-            parts.append(jax.block_until_ready(target_fn(target.params, examples.ids[i:i + config.batch_size],
-                                                         d2t_dev)))   # so that the bar moves with the device
+            rows = slice(i, i + config.batch_size)
+            parts.append(jax.block_until_ready(target_fn(   # each batch awaited, so that the bar moves with the device
+                target.params, examples.ids[rows], d2t_dev,
+                None if examples.segments is None else examples.segments[rows])))
         cache = jax.tree_util.tree_map(lambda *xs: jnp.concatenate(xs), *parts)
+        target_seconds = (time.perf_counter() - t_cache) / len(parts)   # per batch, its compile included
     total_steps, lr_at = config.steps, schedule(config.steps)
     timed_from, timed_until = first_step + 5, first_step + 25   # after the compile; then the budget is applied
     bar = tqdm(total=total_steps, initial=first_step, desc=f"training EAGLE-3 ({config.arch})", disable=not progress,
                unit="step")
-    step = first_step
+    step, steady_from, t_steady, data_seconds = first_step, first_step + 5, None, 0.0
     while step < total_steps:
+        t_data = time.perf_counter()
         idx = _batches(len(examples), config.batch_size, config.seed, step)
-        cached = None if cache is None else jax.tree_util.tree_map(lambda x: x[idx], cache)
-        params, opt_state, loss, acc = train_step(params, opt_state, target.params, examples.ids[idx],
-                                                  examples.mask[idx], np.float32(lr_at(step)), cached)
+        batch = (examples.ids[idx], examples.mask[idx], None if cache is None else
+                 jax.tree_util.tree_map(lambda x: x[idx], cache),
+                 None if examples.segments is None else examples.segments[idx])
+        if step >= steady_from:
+            data_seconds += time.perf_counter() - t_data
+        params, opt_state, loss, acc = train_step(params, opt_state, target.params, batch[0], batch[1],
+                                                  np.float32(lr_at(step)), batch[2], batch[3])
         losses.append(loss)
         accs.append(acc)
         step += 1
         bar.update(1)
+        if step == steady_from:   # the compile and the first steps behind: the steady rate is timed from here
+            jax.block_until_ready(loss)
+            t_steady = time.perf_counter()
         if config.max_seconds is not None and step in (timed_from, timed_until):
             jax.block_until_ready(loss)
             if step == timed_from:
@@ -374,11 +454,24 @@ def train(target, examples: Examples, out_dir, config: TrainConfig = TrainConfig
                               f"max_seconds={config.max_seconds:g}")
         if step % config.save_every == 0 or step == total_steps:
             manager.save(step, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}))
-        if progress and (step % 10 == 1 or step == total_steps):
-            a = np.asarray(acc)
-            bar.set_postfix(loss=f"{float(loss):.3f}", acc="/".join(f"{x:.2f}" for x in a[:4]))
+        if progress and len(losses) > 1 and (step % 10 == 1 or step == total_steps):
+            # the step before's loss: done while this one runs, so reading it does not hold the device's queue
+            a = np.asarray(accs[-2])
+            bar.set_postfix(loss=f"{float(losses[-2]):.3f}", acc="/".join(f"{x:.2f}" for x in a[:4]))
+    jax.block_until_ready(losses[-1] if losses else None)
+    steady_seconds = (time.perf_counter() - t_steady) / (step - steady_from) if t_steady and step > steady_from else None
     bar.close()
     manager.wait_until_finished()
+    if steady_seconds is not None and target_seconds is None:   # the target's share of a step: its forward alone
+        jax.block_until_ready(target_fn(target.params, batch[0], d2t_dev, batch[3]))   # (compiled here)
+        t_target = time.perf_counter()
+        for _ in range(3):
+            jax.block_until_ready(target_fn(target.params, batch[0], d2t_dev, batch[3]))
+        target_seconds = (time.perf_counter() - t_target) / 3
+    throughput = training_throughput(target.params, params, examples, config, steady_seconds, target_seconds,
+                                     data_seconds / max(step - steady_from, 1))
+    if progress and throughput:
+        print(format_throughput(throughput))
     losses = [float(x) for x in jax.device_get(losses)]
     accs = np.asarray(jax.device_get(accs)).reshape(-1, J)
     seconds = time.perf_counter() - t0
@@ -400,9 +493,11 @@ def train(target, examples: Examples, out_dir, config: TrainConfig = TrainConfig
                   "acceptance_length_k4": length, "per_position_acceptance_k4": per_position,
                   "estimated_acceptance_length_k4": estimated_acceptance_length(per_acc, 4)}
     save_head(out_dir, head, params, d2t)
-    result = TrainResult(out_dir, losses, accs, first_step, report, seconds, len(examples), examples.num_target_tokens)
+    result = TrainResult(out_dir, losses, accs, first_step, report, seconds, num_examples, examples.num_target_tokens,
+                         throughput)
     (out_dir / "training.json").write_text(json.dumps({
-        "steps": total_steps, "first_step": first_step, "seconds": seconds, "num_examples": len(examples),
+        "steps": total_steps, "first_step": first_step, "seconds": seconds, "num_examples": num_examples,
+        "num_rows": len(examples), "throughput": throughput,
         "seq_len": int(examples.ids.shape[1]), "num_target_tokens": examples.num_target_tokens,
         "config": dataclasses.asdict(config), "final_loss": losses[-1] if losses else None,
         "held_out": report}, indent=1))
