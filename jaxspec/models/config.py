@@ -12,14 +12,16 @@ from typing import Any
 from jaxspec.models.errors import UnsupportedModelError
 from jaxspec.models.fp8_checkpoint import checkpoint_format, quantization_config_of
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_next", "qwen3_5")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_next", "qwen3_5", "gemma3")
 # Hybrids: Gated DeltaNet ("linear_attention") and gated full-attention layers, zero-centred RMSNorms.
 HYBRID_ARCHITECTURES = ("qwen3_next", "qwen3_5")
 
 # HF `model_type` / `architectures` values mapped to our families.
 _HF_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "llama", "qwen3_moe": "qwen3",
                    "qwen3_next": "qwen3_next", "qwen3_5_text": "qwen3_5", "qwen3_5": "qwen3_5",
-                   "qwen3_5_moe_text": "qwen3_5", "qwen3_5_moe": "qwen3_5"}
+                   "qwen3_5_moe_text": "qwen3_5", "qwen3_5_moe": "qwen3_5", "gemma3_text": "gemma3", "gemma3": "gemma3"}
+# Vision-language checkpoints whose text model's config is nested under `text_config` (the vision tower is not loaded).
+_WRAPPER_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe", "gemma3")
 # HF `layer_types` entries of the hybrids -> jaxspec layer kinds (jaxspec.nn.layers.LAYER_KINDS).
 _HF_LAYER_KINDS = {"linear_attention": "gated_deltanet", "full_attention": "gated_attention"}
 
@@ -34,9 +36,20 @@ _LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_
 _PLAIN_ROPE_KEYS = {"rope_type", "type", "rope_theta", "partial_rotary_factor", "mrope_section", "mrope_interleaved"}
 # The MLP activations jaxspec computes: SwiGLU, silu(gate) * up (transformers' ACT2FN: "swish" is SiLU too).
 HIDDEN_ACTS = ("silu", "swish")
+# Gemma 3's gated MLP: act(gate) * up with the tanh approximation of GELU (its `hidden_activation`).
+GEMMA3_HIDDEN_ACTS = ("gelu_pytorch_tanh",)
+# Gemma 3's rotary per layer type (`rope_parameters[layer type]`): plain, or linear scaling (positions divided by
+# `factor`) on the full-attention layers, as the 4B/12B/27B configs have it.
+GEMMA3_ROPE_TYPES = {"full_attention": ("default", "linear"), "sliding_attention": ("default",)}
+# transformers' Gemma3TextConfig defaults: the vision-language checkpoints' `text_config` names only what differs.
+_GEMMA3_TEXT_DEFAULTS = dict(vocab_size=262_208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                             num_attention_heads=8, num_key_value_heads=4, head_dim=256,
+                             hidden_activation="gelu_pytorch_tanh", max_position_embeddings=131_072, rms_norm_eps=1e-6,
+                             eos_token_id=1, bos_token_id=2, tie_word_embeddings=True, query_pre_attn_scalar=256,
+                             sliding_window=4096)
 # model_types whose transformers model adds the q/k/v/o projection biases when attention_bias is true, as the hybrids
 # do (Qwen2's q/k/v biases are unconditional and implemented; transformers' Mistral has none whatever the config says).
-_ATTENTION_BIAS_TYPES = ("llama", "qwen3")
+_ATTENTION_BIAS_TYPES = ("llama", "qwen3", "gemma3_text")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +95,14 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
     shared_expert_intermediate_size: int = 0
+    # The gated MLP's activation: "silu" (SwiGLU) or "gelu_pytorch_tanh" (Gemma 3: GELU, tanh approximation).
+    hidden_act: str = "silu"
+    # Attention scores scaled by query_pre_attn_scalar ** -0.5 (Gemma 3); None: head_dim ** -0.5.
+    query_pre_attn_scalar: float | None = None
+    # Gemma 3's local rotary: the layers `local_rope_layers` marks (its sliding-attention layers) rotate with base
+    # `local_rope_theta` and no scaling; the others with rope_theta and rope_scaling. None: every layer the latter.
+    local_rope_theta: float | None = None
+    local_rope_layers: tuple[bool, ...] | None = None
 
     def __post_init__(self):
         if self.layer_types is not None:
@@ -110,6 +131,14 @@ class ModelConfig:
                                  f"{self.head_dim // 2}")
             if self.rope_scaling is not None:
                 raise ValueError("rope_freq_factors and rope_scaling are alternatives; set only one")
+        if self.hidden_act not in ("silu", *GEMMA3_HIDDEN_ACTS):
+            raise ValueError(f"hidden_act={self.hidden_act!r} is unknown; valid: silu, {', '.join(GEMMA3_HIDDEN_ACTS)}")
+        if self.local_rope_layers is not None:
+            object.__setattr__(self, "local_rope_layers", tuple(bool(x) for x in self.local_rope_layers))
+            if len(self.local_rope_layers) != self.num_layers or self.local_rope_theta is None:
+                raise ValueError(f"local_rope_layers has {len(self.local_rope_layers)} entries (one per layer: "
+                                 f"{self.num_layers}) and needs local_rope_theta; got local_rope_theta="
+                                 f"{self.local_rope_theta!r}")
 
     @property
     def kv_window(self) -> int | None:
@@ -130,7 +159,18 @@ class ModelConfig:
 
     @property
     def qk_norm(self) -> bool:
-        return self.arch in ("qwen3", *HYBRID_ARCHITECTURES)
+        return self.arch in ("qwen3", "gemma3", *HYBRID_ARCHITECTURES)
+
+    @property
+    def plus_one_norms(self) -> bool:
+        """Gemma 3's RMSNorm scales by (1 + w), computed in float32: its norm weights are declared float32 and hold
+        1 + w (jaxspec.models.weights.plus_one), so every norm, fused or not, multiplies by them as by any weight."""
+        return self.arch == "gemma3"
+
+    @property
+    def embed_scale(self) -> float | None:
+        """The factor the token embeddings are multiplied by (Gemma 3: sqrt(hidden_size)), or None."""
+        return self.hidden_size ** 0.5 if self.arch == "gemma3" else None
 
     @property
     def hybrid(self) -> bool:
@@ -157,12 +197,18 @@ class ModelConfig:
         if quantized:   # its tensors are not all the weights themselves: an FP8 format it names, or refused
             checkpoint_format(quantized)
         model_type = hf.get("model_type")
-        if model_type in ("qwen3_5", "qwen3_5_moe") and isinstance(hf.get("text_config"), dict):
-            # a Qwen3.5 checkpoint (vision-language): its text model's config is nested
+        if model_type in _WRAPPER_MODEL_TYPES and (isinstance(hf.get("text_config"), dict) or model_type == "gemma3"):
+            # a vision-language checkpoint (Qwen3.5, Gemma 3): its text model's config is nested (Gemma 3's may be
+            # absent: transformers' defaults)
             outer = hf
-            hf = {**hf["text_config"]}
-            hf.setdefault("tie_word_embeddings", outer.get("tie_word_embeddings", False))
+            hf = {**(hf.get("text_config") or {})}
+            hf.setdefault("tie_word_embeddings", outer.get("tie_word_embeddings", model_type == "gemma3"))
+            for key in ("bos_token_id", "eos_token_id"):   # Gemma 3's generation reads the outer config's
+                if outer.get(key) is not None and (model_type == "gemma3" or key not in hf):
+                    hf[key] = outer[key]
             model_type = hf.get("model_type", model_type + "_text")
+        if model_type == "gemma3_text":
+            hf = {**_GEMMA3_TEXT_DEFAULTS, **hf}
         if model_type not in _HF_MODEL_TYPES:
             raise ValueError(
                 f"unsupported architecture model_type={model_type!r}; supported: {', '.join(sorted(_HF_MODEL_TYPES))}")
@@ -179,11 +225,15 @@ class ModelConfig:
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
         arch = _HF_MODEL_TYPES[model_type]
         _refuse_unimplemented(hf, model_type, arch)
-        rope_scaling = _rope_scaling(hf, arch)
-        rope_theta = hf.get("rope_theta")
-        if rope_theta is None and isinstance(hf.get("rope_parameters"), dict):
-            rope_theta = hf["rope_parameters"].get("rope_theta")
         extra: dict[str, Any] = {}
+        if model_type == "gemma3_text":   # rotary per layer type
+            extra = _gemma3_fields(hf)
+            rope_theta, rope_scaling = extra.pop("rope_theta"), extra.pop("rope_scaling")
+        else:
+            rope_scaling = _rope_scaling(hf, arch)
+            rope_theta = hf.get("rope_theta")
+            if rope_theta is None and isinstance(hf.get("rope_parameters"), dict):
+                rope_theta = hf["rope_parameters"].get("rope_theta")
         if arch in HYBRID_ARCHITECTURES:
             extra = _hybrid_fields(hf, arch)
         else:
@@ -208,6 +258,55 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             **extra,
         )
+
+
+def _gemma3_layer_types(hf: dict[str, Any]) -> list[str]:
+    """Gemma 3's layer types: `layer_types`, else every `sliding_window_pattern`-th layer full attention and the
+    others sliding (transformers' rule; older configs name the pattern only, default 6)."""
+    if hf.get("layer_types") is not None:
+        return list(hf["layer_types"])
+    pattern = hf.get("sliding_window_pattern", hf.get("_sliding_window_pattern", 6))
+    return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(hf["num_hidden_layers"])]
+
+
+def _gemma3_rope(hf: dict[str, Any]) -> dict[str, dict]:
+    """{layer type: its rope parameters} as transformers reads a Gemma 3 config: `rope_parameters` keyed by layer
+    type, or the older spelling (rope_scaling and rope_theta for the full-attention layers, rope_local_base_freq for
+    the sliding ones); bases default to 1e6 (full) and 1e4 (sliding)."""
+    given = hf.get("rope_parameters") or {}
+    stray = sorted(set(given) - set(GEMMA3_ROPE_TYPES)) if isinstance(given, dict) else [repr(given)]
+    if stray:
+        raise UnsupportedModelError(f"rope_parameters={given!r} for model_type='gemma3_text' has {', '.join(stray)}; "
+                                    f"supported: a dict keyed by layer type ({', '.join(GEMMA3_ROPE_TYPES)})")
+    full = {"rope_type": "default", **(given.get("full_attention") or {}), **(hf.get("rope_scaling") or {})}
+    full.setdefault("rope_theta", hf.get("rope_theta", 1_000_000.0))
+    sliding = {"rope_type": "default", **(given.get("sliding_attention") or {})}
+    sliding.setdefault("rope_theta", hf.get("rope_local_base_freq", 10_000.0))
+    rope = {"full_attention": full, "sliding_attention": sliding}
+    for layer_type, params in rope.items():
+        kind = params.get("rope_type", params.get("type"))
+        if kind not in GEMMA3_ROPE_TYPES[layer_type]:
+            raise UnsupportedModelError(
+                f"rope_parameters[{layer_type!r}] rope_type={kind!r} is not supported for model_type='gemma3_text'; "
+                f"supported: {', '.join(GEMMA3_ROPE_TYPES[layer_type])}")
+        if kind == "linear" and not params.get("factor"):
+            raise UnsupportedModelError(f"rope_parameters[{layer_type!r}] is linear without a factor: {params!r}")
+    return rope
+
+
+def _gemma3_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3's text model: every layer `gemma3_attention`, the sliding window on the layers `layer_types` marks,
+    their local rotary base, the full-attention layers' base and scaling, the attention scale, the activation."""
+    types = _gemma3_layer_types(hf)
+    rope = _gemma3_rope(hf)
+    full = rope["full_attention"]
+    scaling = (("factor", float(full["factor"])), ("rope_type", "linear")) if full["rope_type"] == "linear" else None
+    local = tuple(t == "sliding_attention" for t in types)
+    return dict(layer_types=("gemma3_attention",) * len(types), hidden_act=hf["hidden_activation"],
+                query_pre_attn_scalar=float(hf["query_pre_attn_scalar"]),
+                rope_theta=float(full["rope_theta"]), rope_scaling=scaling,
+                local_rope_theta=float(rope["sliding_attention"]["rope_theta"]) if any(local) else None,
+                local_rope_layers=local if any(local) else None)
 
 
 def _qwen3_moe_fields(hf: dict[str, Any]) -> dict[str, Any]:
@@ -288,10 +387,20 @@ def _rope_scaling(hf: dict[str, Any], arch: str) -> tuple | None:
 def _refuse_unimplemented(hf: dict[str, Any], model_type: str, arch: str) -> None:
     """UnsupportedModelError naming the field (its value, and what is supported) when the config asks for something
     transformers would apply and jaxspec does not implement, rather than run the model as something else."""
-    act = hf.get("hidden_act", "silu")
-    if act not in HIDDEN_ACTS:
-        raise UnsupportedModelError(f"unsupported hidden_act {act!r}; supported: {', '.join(HIDDEN_ACTS)} "
-                                    "(the MLP is SwiGLU)")
+    if model_type == "gemma3_text":   # its own field, read by transformers' Gemma 3 alone
+        act = hf.get("hidden_activation")
+        if act not in GEMMA3_HIDDEN_ACTS:
+            raise UnsupportedModelError(f"unsupported hidden_activation {act!r} for model_type='gemma3_text'; "
+                                        f"supported: {', '.join(GEMMA3_HIDDEN_ACTS)}")
+        if hf.get("use_bidirectional_attention"):
+            raise UnsupportedModelError("use_bidirectional_attention=true is not supported (jaxspec's attention is "
+                                        "causal); supported: use_bidirectional_attention false")
+        _gemma3_rope(hf)
+    else:
+        act = hf.get("hidden_act", "silu")
+        if act not in HIDDEN_ACTS:
+            raise UnsupportedModelError(f"unsupported hidden_act {act!r}; supported: {', '.join(HIDDEN_ACTS)} "
+                                        "(the MLP is SwiGLU)")
     if hf.get("attention_bias") and (model_type in _ATTENTION_BIAS_TYPES or arch in HYBRID_ARCHITECTURES):
         raise UnsupportedModelError(f"attention_bias=true is not supported for model_type={model_type!r} (its q/k/v/o "
                                     "projection biases would be ignored); supported: attention_bias false")
@@ -304,6 +413,8 @@ def _refuse_unimplemented(hf: dict[str, Any], model_type: str, arch: str) -> Non
                                         f"implemented); supported: {field} null")
     if arch not in HYBRID_ARCHITECTURES:   # the hybrids' partial rotary: ModelConfig.partial_rotary_factor
         rope = [hf] + [hf[k] for k in ("rope_scaling", "rope_parameters") if isinstance(hf.get(k), dict)]
+        if model_type == "gemma3_text":
+            rope += list(_gemma3_rope(hf).values())
         factor = next((d["partial_rotary_factor"] for d in rope if d.get("partial_rotary_factor") is not None), 1.0)
         if float(factor) != 1.0:
             raise UnsupportedModelError(f"partial_rotary_factor={factor!r} is not supported for "
@@ -321,7 +432,7 @@ def _sliding_window(hf: dict[str, Any], model_type: str) -> tuple[int | None, tu
     max_model_len at max_position_embeddings (jaxspec.sched.config), so no query is that far from a key."""
     n = hf["num_hidden_layers"]
     max_pos = hf.get("max_position_embeddings", 4096)
-    types = hf.get("layer_types")
+    types = _gemma3_layer_types(hf) if model_type == "gemma3_text" else hf.get("layer_types")
     if types is not None:
         unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
         if unknown:
@@ -334,16 +445,19 @@ def _sliding_window(hf: dict[str, Any], model_type: str) -> tuple[int | None, tu
         window = hf.get("sliding_window", 4096) if hf.get("use_sliding_window", False) else None
         sliding = marked if types is not None else list(range(hf.get("max_window_layers", 28) or 0, n))
         rule = "use_sliding_window=true"
+    elif model_type == "gemma3_text":
+        window, sliding, rule = hf.get("sliding_window"), marked, "layer_types (or sliding_window_pattern)"
     else:
         window, sliding, rule = hf.get("sliding_window"), marked, "layer_types marks them sliding_attention"
     if window is None or window >= max_pos or not sliding:
         return None, None
-    if model_type in ("mistral", "qwen2", "qwen3"):
+    if model_type in ("mistral", "qwen2", "qwen3", "gemma3_text"):
         return int(window), None if len(sliding) == n else tuple(i in sliding for i in range(n))
     layers = f"layers {sliding[0]}..{sliding[-1]}" if sliding == list(range(sliding[0], sliding[-1] + 1)) else \
         f"layers {sliding}"
     raise UnsupportedModelError(
         f"sliding_window={window} is not supported for model_type={model_type!r}: it applies to {layers} ({rule}) "
-        f"and jaxspec applies sliding windows to Mistral, Qwen2 and Qwen3 only, so the model would decode wrongly past "
+        f"and jaxspec applies sliding windows to Mistral, Qwen2, Qwen3 and Gemma 3 only, so the model would decode "
+        f"wrongly past "
         f"{window} tokens; supported: sliding_window null"
         + f", or a window of at least max_position_embeddings={max_pos}")

@@ -250,7 +250,8 @@ class Fp8Tensors:
             if name.endswith(SCALE) and name[:-len(SCALE)] in specs:
                 continue   # read with its weight
             if name + SCALE not in specs:
-                out[name] = weights.read_layer_weight(get_tensor, kind, name, prefix, config, spec.shape[1:], np_dtype)
+                out[name] = weights.read_layer_weight(get_tensor, kind, name, prefix, config, spec.shape[1:],
+                                                      weights.declared_dtype(spec, np_dtype))
             elif weights.HF_LAYER_TENSORS[kind][name][1] in weights.ROW_COMBINES:
                 out[name], out[name + SCALE] = self.read_projection(kind, name, prefix, config, spec.shape[1:],
                                                                     specs[name + SCALE].shape[1:])

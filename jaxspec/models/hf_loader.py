@@ -22,7 +22,13 @@ _RAW_DTYPES = {"BF16": ml_dtypes.bfloat16, "F16": np.float16, "F32": np.float32,
 _NOT_IN_NUMPY = ("BF16", "F8_E4M3")   # dtypes safetensors' numpy backend cannot give
 # Layer tensors that change the output when present: a bias, attention sinks (GPT-OSS), a norm. One of these that
 # the config's model does not read is refused (`refuse_unread_tensors`) rather than dropped.
-_LAYER_TENSOR = re.compile(r"model\.(?:language_model\.)?layers\.(\d+)\.(.+)")
+_LAYER_TENSOR = re.compile(r"(?:language_model\.)?model\.(?:language_model\.)?layers\.(\d+)\.(.+)")
+# Where a vision-language checkpoint keeps its text model (its vision tower, elsewhere, is not read): HF name of the
+# text model's tensor -> the checkpoint's. transformers 5 writes model.language_model.* (Qwen3.5, Gemma 3); Gemma 3's
+# published checkpoints have language_model.model.* (and language_model.lm_head.* where untied).
+_TEXT_MODEL_PREFIXES = {"model.language_model.embed_tokens.weight": (("model.", "model.language_model."),),
+                        "language_model.model.embed_tokens.weight": (("model.", "language_model.model."),
+                                                                     ("lm_head.", "language_model.lm_head."))}
 _MUST_BE_READ = re.compile(r".*(\.bias|sinks|norm\.weight)")
 
 
@@ -126,6 +132,21 @@ def refuse_unread_tensors(config: ModelConfig, names) -> None:
                 f"{', '.join(sorted(used)) or 'none'}")
 
 
+def text_model_tensors(tensors: SafetensorsDir, get_tensor):
+    """`get_tensor` by the text model's HF names: as it is, or for a vision-language checkpoint (`tensors` has its
+    text model's embedding under a prefix of _TEXT_MODEL_PREFIXES) reading each name under that prefix."""
+    renames = next((r for embed, r in _TEXT_MODEL_PREFIXES.items() if embed in tensors), None)
+    if renames is None:
+        return get_tensor
+
+    def get_text_tensor(name):
+        for plain, stored in renames:
+            if name.startswith(plain):
+                return get_tensor(stored + name[len(plain):])
+        return get_tensor(name)
+    return get_text_tensor
+
+
 def load_tokenizer_dir(path: str | os.PathLike):
     """A jaxspec Tokenizer from the tokenizer files in `path`, or None when there are none."""
     path = Path(path)
@@ -138,8 +159,9 @@ def load_tokenizer_dir(path: str | os.PathLike):
 
 
 def load_hf_dir(path: str | os.PathLike, dtype="bfloat16") -> Model:
-    """Load a llama / qwen2 / qwen3 / qwen3_next / qwen3_5 HF directory: config.json, safetensors weights, tokenizer if
-    present. A checkpoint stored in FP8 (jaxspec.models.fp8_checkpoint) keeps its e4m3 weights: the Model comes back
+    """Load a llama / mistral / qwen2 / qwen3 / qwen3_moe / qwen3_next / qwen3_5 / gemma3_text / gemma3 HF directory:
+    config.json, safetensors weights, tokenizer if present (a vision-language checkpoint: its text model alone,
+    `text_model_tensors`). A checkpoint stored in FP8 (jaxspec.models.fp8_checkpoint) keeps its e4m3 weights: the Model comes back
     with quantization="fp8" and its format in quantization_detail."""
     dtype = resolve_dtype(dtype)
     path = Path(path)
@@ -150,10 +172,7 @@ def load_hf_dir(path: str | os.PathLike, dtype="bfloat16") -> Model:
     tensors = SafetensorsDir(path)
     refuse_unread_tensors(config, tensors.file_of)
     get_tensor = tensors.get_raw if quantized else tensors.get_tensor
-    if "model.language_model.embed_tokens.weight" in tensors:
-        # a vision-language checkpoint (Qwen3.5): the text model's tensors are under model.language_model.*
-        def get_tensor(name, get=get_tensor):
-            return get("model.language_model." + name[len("model."):] if name.startswith("model.") else name)
+    get_tensor = text_model_tensors(tensors, get_tensor)
     quantization = detail = None
     if quantized:   # stored in FP8: its e4m3 weights kept as they are (the engine runs it as quantization="fp8")
         params, detail = load_fp8_params(config, get_tensor, checkpoint_format(quantized), dtype)

@@ -10,9 +10,25 @@ from jaxspec.models.model import Model
 _LLAMA3_ROPE = tuple(sorted(dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                                 original_max_position_embeddings=8192).items()))
 
+
+def _gemma3_shapes(hidden_size: int, intermediate_size: int, num_layers: int, num_heads: int,
+                   num_kv_heads: int) -> ModelConfig:
+    """A Gemma 3 text model of google/gemma-3-*-it's shapes: every 6th layer global (the whole context, rope base
+    1e6 with linear scaling 8), the others local (a 1024-key window, base 1e4); head_dim 256, scores scaled by
+    256 ** -0.5, tied embeddings."""
+    local = tuple((i + 1) % 6 != 0 for i in range(num_layers))
+    return ModelConfig(
+        arch="gemma3", vocab_size=262208, hidden_size=hidden_size, intermediate_size=intermediate_size,
+        num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=256, rms_norm_eps=1e-6,
+        rope_theta=1000000.0, rope_scaling=(("factor", 8.0), ("rope_type", "linear")), tie_word_embeddings=True,
+        max_position_embeddings=131072, bos_token_id=2, eos_token_ids=(1, 106), sliding_window=1024,
+        sliding_layers=local, layer_types=("gemma3_attention",) * num_layers, hidden_act="gelu_pytorch_tanh",
+        query_pre_attn_scalar=256.0, local_rope_theta=10000.0, local_rope_layers=local)
+
+
 # The presets' shapes, as their GGUF headers give them, and (for multi-GPU runs, no checkpoint needed) the
-# shapes of Llama 3.1 8B and of Llama 3.2 1B, a draft of the same family and vocabulary, of Mistral 7B and of
-# Qwen3-30B-A3B.
+# shapes of Llama 3.1 8B and of Llama 3.2 1B, a draft of the same family and vocabulary, of Mistral 7B, of
+# Qwen3-30B-A3B and of Gemma 3 4B and 12B.
 KNOWN_SHAPES = {
     "llama-3.1-8b": ModelConfig(
         arch="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
@@ -31,6 +47,10 @@ KNOWN_SHAPES = {
         num_kv_heads=4, head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=40960,
         layer_types=("attention_moe",) * 48, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
         norm_topk_prob=True),
+    "gemma-3-4b": _gemma3_shapes(hidden_size=2560, intermediate_size=10240, num_layers=34, num_heads=8,
+                                 num_kv_heads=4),
+    "gemma-3-12b": _gemma3_shapes(hidden_size=3840, intermediate_size=15360, num_layers=48, num_heads=16,
+                                  num_kv_heads=8),
     "smollm2-135m-instruct": ModelConfig(
         arch="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
         num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True,

@@ -158,6 +158,19 @@ HF_LAYER_TENSORS["attention_moe"] = {
     **{name: v for name, v in HF_LAYER_TENSORS["attention"].items() if name not in ("gate_up_proj", "down_proj")},
     **{name: _HYBRID_FFN[name] for name in ("router", "experts_gate_up", "experts_down")},
 }
+# Gemma 3: four norms a layer, each weight w applied as (1 + w) in float32 (`plus_one`, declared float32).
+HF_LAYER_TENSORS["gemma3_attention"] = {
+    "attn_norm": (("input_layernorm.weight",), plus_one),
+    "qkv_proj": ((ATTN + "q_proj.weight", ATTN + "k_proj.weight", ATTN + "v_proj.weight"), group_qkv),
+    "q_norm": ((ATTN + "q_norm.weight",), plus_one),
+    "k_norm": ((ATTN + "k_norm.weight",), plus_one),
+    "o_proj": ((ATTN + "o_proj.weight",), None),
+    "post_attn_norm": (("post_attention_layernorm.weight",), plus_one),
+    "mlp_norm": (("pre_feedforward_layernorm.weight",), plus_one),
+    "gate_up_proj": (("mlp.gate_proj.weight", "mlp.up_proj.weight"), interleave_gate_up),
+    "down_proj": (("mlp.down_proj.weight",), None),
+    "post_mlp_norm": (("post_feedforward_layernorm.weight",), plus_one),
+}
 # Combines that read the model config (first argument).
 _CONFIG_COMBINES = {plus_one, group_gated_qkv, concat_rows, _gdn_in_proj_combine, conv_kernel, stack_expert_gate_up,
                     stack_expert_down}
@@ -220,9 +233,15 @@ def combine_parts(combine, parts: list, config) -> np.ndarray:
 
 def read_layer_weights(get_tensor, kind: str, prefix: str, config, specs: dict, np_dtype) -> dict:
     """One layer's declared weights ({name: array}, `specs` the kind's stacked Specs), each as `read_layer_weight`
-    reads it."""
-    return {name: read_layer_weight(get_tensor, kind, name, prefix, config, spec.shape[1:], np_dtype)
+    reads it, in its declared dtype (np_dtype where it declares none)."""
+    return {name: read_layer_weight(get_tensor, kind, name, prefix, config, spec.shape[1:],
+                                    declared_dtype(spec, np_dtype))
             for name, spec in specs.items()}
+
+
+def declared_dtype(spec, np_dtype):
+    """The dtype a weight is declared in (Gemma 3's float32 norms), or the model's, np_dtype."""
+    return np_dtype if spec.dtype is None else np.dtype(spec.dtype)
 
 
 def _has(get_tensor, name: str) -> bool:
@@ -273,9 +292,11 @@ def params_from_hf_tensors(config, get_tensor: Callable[[str], np.ndarray], dtyp
     params: dict = {"layers": {}}
     for key in ("embed", "final_norm", "lm_head"):
         if key in schema:
-            value = read_top_weight(get_tensor, TOP_TENSORS[key], schema[key].shape, np_dtype)
-            if key == "final_norm" and config.hybrid:   # zero-centred, as every norm of the hybrids but the gated one
-                value = plus_one(config, value).astype(np_dtype)
+            dtype_of_key = declared_dtype(schema[key], np_dtype)
+            value = read_top_weight(get_tensor, TOP_TENSORS[key], schema[key].shape, dtype_of_key)
+            if key == "final_norm" and (config.hybrid or config.plus_one_norms):
+                # zero-centred, as every norm of the hybrids but the gated one, and of Gemma 3 (float32)
+                value = plus_one(config, value).astype(dtype_of_key)
             params[key] = jax.device_put(value)
     index_in_kind: dict[str, int] = {}
     counts = {kind: decoder.layer_types.count(kind) for kind in decoder.kinds}

@@ -1,6 +1,7 @@
-"""The decoder of every supported family (Llama, Qwen2, Qwen3), composed from its per-layer table.
+"""The decoder of every supported family (Llama, Qwen2, Qwen3, the hybrids, Gemma 3), composed from its per-layer
+table.
 
-    h = embed[ids]                                    # [T, D]
+    h = embed[ids]                                    # [T, D]   (Gemma 3: times sqrt(D))
     for each layer i:  h = LAYER_KINDS[layer_types[i]](h, state of its kind)
     hidden = rms_norm(h)                              # [T, D]
     logits = hidden[logits_indices] @ lm_head.T       # [N, V]   (tied: the embedding)
@@ -60,7 +61,7 @@ class Decoder:
         V, D = c.vocab_size, c.hidden_size
         counts = {k: self.layer_types.count(k) for k in self.kinds}
         schema = {"embed": Spec((V, D), ("vocab", "embed")),
-                  "final_norm": Spec((D,), ("embed",), "ones"),
+                  "final_norm": Spec((D,), ("embed",), "ones", jnp.float32 if c.plus_one_norms else None),
                   "layers": {k: {name: spec.stacked(counts[k]) for name, spec in LAYER_KINDS[k].params(c).items()}
                              for k in self.kinds}}
         if not c.tie_word_embeddings:
@@ -81,6 +82,8 @@ class Decoder:
         entries written)."""
         c, ops = self.config, self.ops
         h = params["embed"][jnp.clip(batch.token_ids, 0, c.vocab_size - 1)]            # [T, D]
+        if c.embed_scale is not None:   # rounded to the weights' dtype first, as transformers multiplies
+            h = h * jnp.asarray(c.embed_scale, jnp.float32).astype(h.dtype)
         state = {k: dict(v) for k, v in state.items()}
         after: dict[int, jax.Array] = {}
         for kind_name, first, count, g in self.runs():

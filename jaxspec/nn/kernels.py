@@ -28,6 +28,13 @@ class LayerWeights(dict):
     def stack(self, name: str):
         return self.stacks[name], self.index
 
+    def replacing(self, stacks: dict) -> "LayerWeights":
+        """The same layer with the named stacks replaced (the other slices kept, not sliced again)."""
+        new = LayerWeights({}, self.index)
+        new.update({**self, **{name: w[self.index] for name, w in stacks.items()}})
+        new.stacks = {**self.stacks, **stacks}
+        return new
+
 
 def stacked(lp, name: str):
     """(the stacked weight [L, ...], the layer's index in it) of `lp[name]`; a plain dict's weight as a stack of

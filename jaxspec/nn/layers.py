@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.nn import kernels
+from jaxspec.nn.kernels import LayerWeights
 from jaxspec.nn.ops import ForwardBatch, Ops, apply_rope, rms_norm, rope_cos_sin, rope_inv_freq
 from jaxspec.nn.schema import Spec
 
@@ -127,8 +128,9 @@ def project_qkv(c, ops: Ops, lp, x, positions):
     return split_qkv(c, lp, ops.linear(x, lp, "qkv_proj"), positions)
 
 
-def split_qkv(c, lp, qkv, positions):
-    """The q/k/v projection qkv [T, Hkv*(G+2)*hd] -> q [T, Hq, hd], k and v [T, Hkv, hd], q and k rotated."""
+def split_qkv(c, lp, qkv, positions, inv_freq=None):
+    """The q/k/v projection qkv [T, Hkv*(G+2)*hd] -> q [T, Hq, hd], k and v [T, Hkv, hd], q and k rotated (by
+    `inv_freq`, the layer's rotary frequencies; None: the model's)."""
     T, hd, Hq, Hkv = qkv.shape[0], c.head_dim, c.num_heads, c.num_kv_heads
     G = Hq // Hkv
     if "qkv_bias" in lp:
@@ -137,7 +139,7 @@ def split_qkv(c, lp, qkv, positions):
     q, k, v = qkv[:, :, :G].reshape(T, Hq, hd), qkv[:, :, G], qkv[:, :, G + 1]   # [T, Hq, hd], [T, Hkv, hd] x2
     if "q_norm" in lp:
         q, k = rms_norm(q, lp["q_norm"], c.rms_norm_eps), rms_norm(k, lp["k_norm"], c.rms_norm_eps)
-    inv_freq = rope_inv_freq(c)
+    inv_freq = rope_inv_freq(c) if inv_freq is None else inv_freq
     return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
 
 
@@ -148,16 +150,18 @@ def attention(c, ops: Ops, lp, x, kv: dict, i, batch: ForwardBatch):
     return ops.linear(out.astype(x.dtype), lp, "o_proj"), kv
 
 
-def attend_qkv(c, ops: Ops, lp, qkv, kv: dict, i, batch: ForwardBatch):
+def attend_qkv(c, ops: Ops, lp, qkv, kv: dict, i, batch: ForwardBatch, inv_freq=None):
     """The q/k/v projection qkv [T, Hkv*(G+2)*hd] -> (attention output [T, Hq*hd] before o_proj, kv with this
-    step's k/v written into layer i): bias, q/k norms and rotary, the KV write and the attention, in one kernel
-    where `ops.fuses_kv_write` (jaxspec.pallas.paged_attention), else as separate operations."""
+    step's k/v written into layer i): bias, q/k norms and rotary (`inv_freq`: the layer's frequencies; None: the
+    model's), the KV write and the attention, in one kernel where `ops.fuses_kv_write`
+    (jaxspec.pallas.paged_attention), else as separate operations."""
+    inv_freq = rope_inv_freq(c) if inv_freq is None else inv_freq
     if ops.fuses_kv_write(batch):
-        cos, sin = rope_cos_sin(batch.positions, rope_inv_freq(c))                         # [T, hd/2]
+        cos, sin = rope_cos_sin(batch.positions, inv_freq)                                 # [T, hd/2]
         out, k_pool, v_pool = kernels.fused_attention_fn(c, lp, qkv, cos, sin, kv["k"], kv["v"], i, batch,
                                                          ops.block_size, window=layer_window(c, i))
         return out, {**kv, "k": k_pool, "v": v_pool}
-    q, k, v = split_qkv(c, lp, qkv, batch.positions)
+    q, k, v = split_qkv(c, lp, qkv, batch.positions, inv_freq)
     kv = write_kv(kv, i, batch, k, v)
     return ops.attend(q, kv["k"], kv["v"], i, batch, window=layer_window(c, i)), kv
 
@@ -225,6 +229,66 @@ class AttentionMoE(Attention):
         out, state = attend_qkv(c, ops, lp, qkv, state, i, batch)
         h = ops.linear(out.astype(h.dtype), lp, "o_proj", residual=h)
         return moe(c, ops, lp, h), state
+
+
+# ---- Gemma 3: four norms a layer, local and global attention --------------------------------------------------
+
+# Gemma 3's norms, declared float32: they hold 1 + w (ModelConfig.plus_one_norms), as its RMSNorm computes in float32.
+GEMMA3_NORMS = ("attn_norm", "q_norm", "k_norm", "post_attn_norm", "mlp_norm", "post_mlp_norm")
+
+
+def layer_inv_freq(c, i):
+    """Layer i's rotary frequencies [hd/2]: the local ones (`local_rope_theta`) where `local_rope_layers` marks it,
+    else the model's; picked by index when i is traced (scanned layers), as `layer_window` picks the window."""
+    if c.local_rope_layers is None:
+        return rope_inv_freq(c)
+    if isinstance(i, int):
+        return rope_inv_freq(c, local=c.local_rope_layers[i])
+    return jnp.where(jnp.asarray(c.local_rope_layers)[i], rope_inv_freq(c, local=True), rope_inv_freq(c))
+
+
+def with_query_scale(c, lp):
+    """lp with q_norm times sqrt(head_dim / query_pre_attn_scalar): every attention path (the Pallas kernels too)
+    scales scores by head_dim ** -0.5, and q's norm is q's last scaling before them (rotary is linear), so the
+    scores come out scaled by query_pre_attn_scalar ** -0.5. Unchanged where the two are equal (Gemma 3 4B/12B)."""
+    if not c.query_pre_attn_scalar or c.query_pre_attn_scalar == c.head_dim:
+        return lp
+    factor = (c.head_dim / c.query_pre_attn_scalar) ** 0.5
+    if isinstance(lp, LayerWeights):   # the kernels read the whole stack
+        return lp.replacing({"q_norm": lp.stacks["q_norm"] * factor})
+    return {**lp, "q_norm": lp["q_norm"] * factor}
+
+
+class Gemma3Attention:
+    """Gemma 3's decoder layer, local (a sliding window, the local rotary base) or global (the whole context, the
+    global base with its scaling) as the config marks layer i:
+
+        h = h + post_attn_norm(o_proj(attention(attn_norm(h))))         q and k RMSNormed per head
+        h = h + post_mlp_norm(down(gelu_tanh(gate) * up of mlp_norm(h)))
+
+    Every RMSNorm scales by (1 + w) in float32 (its weights hold 1 + w, float32); scores are scaled by
+    query_pre_attn_scalar ** -0.5. The input norms ride on the projections after them (`Ops.linear`), as the
+    Attention layer's; the post norms stand between a projection and its residual, so those adds are apart."""
+    name = "gemma3_attention"
+
+    def params(self, c):
+        D = c.hidden_size
+        p = {**attention_params(c), **mlp_params(c),
+             "post_attn_norm": Spec((D,), ("embed",), "ones"), "post_mlp_norm": Spec((D,), ("embed",), "ones")}
+        return {name: dataclasses.replace(spec, dtype=jnp.float32) if name in GEMMA3_NORMS else spec
+                for name, spec in p.items()}
+
+    def state(self, c, cache):
+        return kv_state(c, cache)
+
+    def __call__(self, c, ops, lp, h, state, i, batch):
+        lp = with_query_scale(c, lp)
+        qkv = ops.linear(h, lp, "qkv_proj", norm="attn_norm", eps=c.rms_norm_eps)
+        out, state = attend_qkv(c, ops, lp, qkv, state, i, batch, inv_freq=layer_inv_freq(c, i))
+        attn = ops.linear(out.astype(h.dtype), lp, "o_proj")
+        h = h + rms_norm(attn, lp["post_attn_norm"], c.rms_norm_eps)
+        act = ops.linear(h, lp, "gate_up_proj", norm="mlp_norm", eps=c.rms_norm_eps, activation=c.hidden_act)
+        return h + rms_norm(ops.linear(act, lp, "down_proj"), lp["post_mlp_norm"], c.rms_norm_eps), state
 
 
 # ---- hybrids: Qwen3-Next and Qwen3.5 (Gated DeltaNet + gated full attention, dense MLP or MoE) ---------------
@@ -483,7 +547,8 @@ def delta_rule_chunked(q, k, v, beta, g, state, chunk: int = 64):
 
 
 LAYER_KINDS: dict[str, LayerKind] = {"attention": Attention(), "attention_moe": AttentionMoE(),
-                                     "gated_attention": GatedAttention(), "gated_deltanet": GatedDeltaNet()}
+                                     "gemma3_attention": Gemma3Attention(), "gated_attention": GatedAttention(),
+                                     "gated_deltanet": GatedDeltaNet()}
 
 
 def per_slot_fields(state_specs: dict[str, Spec]) -> list[str]:

@@ -46,12 +46,19 @@ def rms_norm(x, weight, eps):
     return (weight.astype(jnp.float32) * x32).astype(x.dtype)
 
 
-def rope_inv_freq(config) -> jax.Array:
+def rope_inv_freq(config, local: bool = False) -> jax.Array:
+    """The rotary inverse frequencies [hd/2]. local: those of Gemma 3's local layers (`local_rope_theta`, no
+    scaling)."""
     hd = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (jnp.arange(0, hd, 2, dtype=jnp.float32) / hd))
+    theta = config.local_rope_theta if local else config.rope_theta
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, hd, 2, dtype=jnp.float32) / hd))
+    if local:
+        return inv_freq
     if config.rope_freq_factors is not None:  # per-frequency divisors (GGUF rope_freqs), as llama.cpp applies them
         return inv_freq / jnp.asarray(config.rope_freq_factors, jnp.float32)
     scaling = config.rope_scaling_dict
+    if scaling and scaling.get("rope_type") == "linear":   # positions divided by `factor` (Gemma 3's global layers)
+        return inv_freq / scaling["factor"]
     if scaling:  # llama3: long wavelengths slowed by `factor`, a smooth ramp between the two cut-offs
         factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
         old_len = scaling["original_max_position_embeddings"]
@@ -137,6 +144,8 @@ GEMV_MAX_TOKENS = 16
 GEMV_MAX_TOKENS_FP8 = 32
 # What JAXSPEC_GEMV may name: a dense layer's matmuls by short name.
 GEMV_MATMULS = {"qkv": "qkv_proj", "o": "o_proj", "gate_up": "gate_up_proj", "down": "down_proj"}
+# The activations of a gated MLP's gate (`Ops.linear` of a gate/up pair weight): act(gate) * up.
+GATE_ACTIVATIONS = {"silu": jax.nn.silu, "gelu_pytorch_tanh": functools.partial(jax.nn.gelu, approximate=True)}
 # Steps of at least this many tokens compile their matmuls to cuBLAS on a GPU (Ops.compiler_options).
 CUBLAS_FROM_TOKENS = 128
 
@@ -228,12 +237,14 @@ class Ops:
         return bool(self.gemv) and self.tp is None and num_tokens <= limit
 
     def linear(self, x, lp, name: str, *, norm: str | None = None, eps: float | None = None, residual=None,
-               group_sizes=None, out_dtype=None):
+               group_sizes=None, out_dtype=None, activation: str = "silu"):
         """One projection: x [..., K] @ lp[name].T -> [..., N], the one function every matmul against a weight
         goes through (layers, heads, drafters, training), so that a kernel or a weight format is chosen here once.
 
         norm, eps: the rms_norm of x by the weight lp[norm] first (a layer's input norm). residual [..., N]: added
-        after. A gate/up pair weight [F, 2, K] gives silu(gate) * up [..., F]. group_sizes i32[E]: x's rows are
+        after. A gate/up pair weight [F, 2, K] gives act(gate) * up [..., F], act the GATE_ACTIVATIONS entry
+        `activation` (the gemv kernel computes silu alone: another runs XLA's matmul, or the kernel's bare product
+        where FP8 weights take it). group_sizes i32[E]: x's rows are
         grouped by expert (the first group_sizes[0] rows go to expert 0, ...) and lp[name] holds the experts'
         weights [E, K, N] (pairs [E, K, F, 2]; FP8: scales [E, N] beside them): one grouped matmul. out_dtype: the
         product's dtype (float32 logits from bf16 weights); None: the operands'. The weight is named, not passed, so
@@ -247,7 +258,10 @@ class Ops:
         blockwise = group_sizes is None and quant.is_blockwise(lp[name], scale)   # the kernels know per-channel only
         on_kernel = (name in self.gemv and group_sizes is None and out_dtype is None and x.ndim == 2
                      and self.use_gemv(x.shape[0]) and not blockwise)
-        if on_kernel and (scale is None or self.fp8_gemv == "fused"):
+        if activation not in GATE_ACTIVATIONS:
+            raise ValueError(f"activation={activation!r} is unknown; valid: {', '.join(GATE_ACTIVATIONS)}")
+        kernel_activation = activation == "silu" or lp[name].ndim == 2   # (a pair weight is [F, 2, K])
+        if on_kernel and (scale is None or self.fp8_gemv == "fused") and kernel_activation:
             y = kernels.gemv_linear(x, lp, name, norm=norm, eps=eps, residual=residual)
             if y is not None:   # None: no kernel tiling divides this weight
                 return y
@@ -275,7 +289,7 @@ class Ops:
                 y = x @ w.T if out_dtype is None else jnp.einsum("...k,nk->...n", x, w, preferred_element_type=out_dtype)
         if pairs:
             y = y.reshape(*y.shape[:-1], -1, 2)
-            y = jax.nn.silu(y[..., 0]) * y[..., 1]
+            y = GATE_ACTIVATIONS[activation](y[..., 0]) * y[..., 1]
         return y if residual is None else residual + y
 
     def uses_w8a8(self, x) -> bool:
