@@ -12,13 +12,13 @@ from typing import Any
 from jaxspec.models.errors import UnsupportedModelError
 from jaxspec.models.fp8_checkpoint import checkpoint_format, quantization_config_of
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_next", "qwen3_5", "gemma3")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_next", "qwen3_5", "gemma3", "gpt_oss")
 # Hybrids: Gated DeltaNet ("linear_attention") and gated full-attention layers, zero-centred RMSNorms.
 HYBRID_ARCHITECTURES = ("qwen3_next", "qwen3_5")
 
 # HF `model_type` / `architectures` values mapped to our families.
 _HF_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "llama", "qwen3_moe": "qwen3",
-                   "qwen3_next": "qwen3_next", "qwen3_5_text": "qwen3_5", "qwen3_5": "qwen3_5",
+                   "gpt_oss": "gpt_oss", "qwen3_next": "qwen3_next", "qwen3_5_text": "qwen3_5", "qwen3_5": "qwen3_5",
                    "qwen3_5_moe_text": "qwen3_5", "qwen3_5_moe": "qwen3_5", "gemma3_text": "gemma3", "gemma3": "gemma3"}
 # Vision-language checkpoints whose text model's config is nested under `text_config` (the vision tower is not loaded).
 _WRAPPER_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe", "gemma3")
@@ -29,8 +29,13 @@ _HF_LAYER_KINDS = {"linear_attention": "gated_deltanet", "full_attention": "gate
 # at load (`_refuse_unimplemented`), naming the field, never run as something else.
 # Rope scaling types the rotary code implements (jaxspec.nn.ops.rope_inv_freq; "default": plain rope). The hybrids'
 # partial rotary (jaxspec.nn.layers.partial_rope) implements none.
-ROPE_TYPES = ("default", "llama3")
+ROPE_TYPES = ("default", "llama3", "yarn")
 _LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+# YaRN's fields jaxspec implements (transformers' _compute_yarn_parameters): those it needs, and those with a default.
+# Its other fields (attention_factor, mscale, mscale_all_dim: other ways to set the attention scale) are refused.
+_YARN_REQUIRED_KEYS = ("factor", "original_max_position_embeddings")
+_YARN_OPTIONAL_KEYS = ("beta_fast", "beta_slow", "truncate")
+YARN_ARCHITECTURES = ("gpt_oss",)
 # Keys of a rope dict that name no scaling (a dict of only these, without a type, is plain rope). mrope_*: Qwen3.5's
 # multimodal sections, the same rotation for text (every section gets the same position).
 _PLAIN_ROPE_KEYS = {"rope_type", "type", "rope_theta", "partial_rotary_factor", "mrope_section", "mrope_interleaved"}
@@ -103,6 +108,11 @@ class ModelConfig:
     # `local_rope_theta` and no scaling; the others with rope_theta and rope_scaling. None: every layer the latter.
     local_rope_theta: float | None = None
     local_rope_layers: tuple[bool, ...] | None = None
+    # GPT-OSS: biases on the q/k/v and o projections; its experts' clamped SwiGLU, (up + 1) * gate * sigmoid(alpha *
+    # gate) with gate clamped above at swiglu_limit and up to +-swiglu_limit.
+    attention_bias: bool = False
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
 
     def __post_init__(self):
         if self.layer_types is not None:
@@ -155,7 +165,7 @@ class ModelConfig:
 
     @property
     def qkv_bias(self) -> bool:
-        return self.arch == "qwen2"
+        return self.arch == "qwen2" or self.attention_bias
 
     @property
     def qk_norm(self) -> bool:
@@ -188,13 +198,20 @@ class ModelConfig:
     def rope_scaling_dict(self) -> dict | None:
         return dict(self.rope_scaling) if self.rope_scaling else None
 
+    @property
+    def rope_type(self) -> str:
+        """"default" (plain rope), "llama3" or "yarn" (a scaling without a type is llama3's, as GGUF-era configs
+        stored it)."""
+        scaling = self.rope_scaling_dict
+        return "default" if not scaling else scaling.get("rope_type", "llama3")
+
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
         """Build from a HF config.json dict; a missing required field raises a ValueError naming it, and a field
         asking for something jaxspec does not implement (a sliding window that bites, a rope scaling type other than
-        llama3, biases it would ignore, soft-capping, ...: `_refuse_unimplemented`) an UnsupportedModelError."""
+        llama3 or GPT-OSS's yarn, biases it would ignore, soft-capping, ...: `_refuse_unimplemented`) an UnsupportedModelError."""
         quantized = quantization_config_of(hf)
-        if quantized:   # its tensors are not all the weights themselves: an FP8 format it names, or refused
+        if quantized and not is_mxfp4(quantized):   # its tensors are not all the weights: an FP8 format, or refused
             checkpoint_format(quantized)
         model_type = hf.get("model_type")
         if model_type in _WRAPPER_MODEL_TYPES and (isinstance(hf.get("text_config"), dict) or model_type == "gemma3"):
@@ -240,6 +257,11 @@ class ModelConfig:
             extra["sliding_window"], extra["sliding_layers"] = _sliding_window(hf, model_type)
         if model_type == "qwen3_moe":
             extra.update(_qwen3_moe_fields(hf))
+        if model_type == "gpt_oss":
+            extra.update(_gpt_oss_fields(hf))
+        if quantized and is_mxfp4(quantized) and model_type != "gpt_oss":
+            raise UnsupportedModelError(f"quantization_config quant_method='mxfp4' is not supported for "
+                                        f"model_type={model_type!r}; supported: model_type 'gpt_oss' (its experts)")
         return cls(
             arch=arch,
             vocab_size=hf["vocab_size"],
@@ -322,6 +344,21 @@ def _qwen3_moe_fields(hf: dict[str, Any]) -> dict[str, Any]:
                 norm_topk_prob=bool(hf.get("norm_topk_prob", False)))
 
 
+def is_mxfp4(quantization_config) -> bool:
+    """Whether config.json's quantization_config is MXFP4 (GPT-OSS's experts: dequantized on load,
+    jaxspec.models.dequant.dequantize_mxfp4)."""
+    return isinstance(quantization_config, dict) and quantization_config.get("quant_method") == "mxfp4"
+
+
+def _gpt_oss_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """GPT-OSS: every layer the `gpt_oss` kind (attention with sinks, then its mixture of experts, each expert
+    intermediate_size wide), q/k/v/o biases unless attention_bias is false, the experts' clamped SwiGLU."""
+    return dict(layer_types=("gpt_oss",) * hf["num_hidden_layers"], num_experts=hf["num_local_experts"],
+                num_experts_per_tok=hf["num_experts_per_tok"], moe_intermediate_size=hf["intermediate_size"],
+                attention_bias=bool(hf.get("attention_bias", True)),
+                swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)), swiglu_limit=float(hf.get("swiglu_limit", 7.0)))
+
+
 def _hybrid_fields(hf: dict[str, Any], arch: str) -> dict[str, Any]:
     """Qwen3-Next / Qwen3.5 fields: layer kinds, partial rotary, the Gated DeltaNet shapes, MoE."""
     n = hf["num_hidden_layers"]
@@ -353,7 +390,7 @@ def _hybrid_fields(hf: dict[str, Any], arch: str) -> dict[str, Any]:
 
 def _rope_scaling(hf: dict[str, Any], arch: str) -> tuple | None:
     """The config's rope scaling as ModelConfig.rope_scaling (None: plain rope); a type jaxspec does not implement
-    (yarn, dynamic, linear, longrope, ...) is refused, naming it."""
+    (dynamic, linear, longrope, ...; yarn outside YARN_ARCHITECTURES) is refused, naming it."""
     field, scaling = "rope_scaling", hf.get("rope_scaling") or None
     if scaling is None and isinstance(hf.get("rope_parameters"), dict):   # transformers >= 5 spelling
         field, scaling = "rope_parameters", hf["rope_parameters"]
@@ -377,11 +414,39 @@ def _rope_scaling(hf: dict[str, Any], arch: str) -> tuple | None:
     if arch in HYBRID_ARCHITECTURES:
         raise UnsupportedModelError(f"{field} type {kind!r} is not supported for {arch} (its partial rotary applies "
                                     "no rope scaling); supported: rope_type 'default'")
+    if kind == "yarn":
+        if arch not in YARN_ARCHITECTURES:   # tested against transformers for GPT-OSS only
+            raise UnsupportedModelError(f"unsupported rope scaling type 'yarn' for {arch} ({field}={scaling!r}); "
+                                        f"supported: default, llama3 (yarn: {', '.join(YARN_ARCHITECTURES)})")
+        return _yarn_scaling(hf, field, scaling)
     missing = [k for k in _LLAMA3_ROPE_KEYS if k not in scaling]
     if missing:
         raise UnsupportedModelError(f"{field} type 'llama3' lacks {', '.join(missing)}; it needs "
                                     f"{', '.join(_LLAMA3_ROPE_KEYS)}")
     return tuple(sorted((k, scaling[k]) for k in _LLAMA3_ROPE_KEYS))
+
+
+def _yarn_scaling(hf: dict[str, Any], field: str, scaling: dict) -> tuple:
+    """YaRN's fields as ModelConfig.rope_scaling, with transformers' defaults (beta_fast 32, beta_slow 1, truncate
+    true; no factor: max_position_embeddings / original_max_position_embeddings); a field it does not implement is
+    refused, naming it."""
+    unknown = sorted(set(scaling) - _PLAIN_ROPE_KEYS - set(_YARN_REQUIRED_KEYS) - set(_YARN_OPTIONAL_KEYS))
+    if unknown:
+        raise UnsupportedModelError(f"{field} type 'yarn' sets {', '.join(unknown)}, which jaxspec does not implement "
+                                    f"({field}={scaling!r}); supported: "
+                                    f"{', '.join(_YARN_REQUIRED_KEYS + _YARN_OPTIONAL_KEYS)}")
+    missing = [k for k in _YARN_REQUIRED_KEYS if k not in scaling]
+    if missing:
+        raise UnsupportedModelError(f"{field} type 'yarn' lacks {', '.join(missing)}; it needs "
+                                    f"{', '.join(_YARN_REQUIRED_KEYS)}")
+    original = scaling["original_max_position_embeddings"]
+    factor = scaling["factor"]
+    if factor is None:
+        factor = hf.get("max_position_embeddings", 4096) / original
+    yarn = dict(rope_type="yarn", factor=float(factor), original_max_position_embeddings=int(original),
+                beta_fast=float(scaling.get("beta_fast") or 32), beta_slow=float(scaling.get("beta_slow") or 1),
+                truncate=bool(scaling.get("truncate", True)))
+    return tuple(sorted(yarn.items()))
 
 
 def _refuse_unimplemented(hf: dict[str, Any], model_type: str, arch: str) -> None:
@@ -439,7 +504,10 @@ def _sliding_window(hf: dict[str, Any], model_type: str) -> tuple[int | None, tu
             raise UnsupportedModelError(f"unsupported layer_types {unknown} for model_type={model_type!r}; supported: "
                                         "full_attention (sliding_attention only with a window that never bites)")
     marked = [i for i, t in enumerate(types or ()) if t == "sliding_attention"]
-    if model_type == "mistral":
+    if model_type == "gpt_oss":   # without layer_types, transformers alternates: layers 0, 2, 4, ... sliding
+        window, rule = hf.get("sliding_window", 128), "layer_types marks them sliding_attention"
+        sliding = marked if types is not None else [i for i in range(n) if (i + 1) % 2]
+    elif model_type == "mistral":
         window, sliding, rule = hf.get("sliding_window", 4096), list(range(n)), "Mistral: all layers"
     elif model_type in ("qwen2", "qwen3"):
         window = hf.get("sliding_window", 4096) if hf.get("use_sliding_window", False) else None
@@ -451,13 +519,13 @@ def _sliding_window(hf: dict[str, Any], model_type: str) -> tuple[int | None, tu
         window, sliding, rule = hf.get("sliding_window"), marked, "layer_types marks them sliding_attention"
     if window is None or window >= max_pos or not sliding:
         return None, None
-    if model_type in ("mistral", "qwen2", "qwen3", "gemma3_text"):
+    if model_type in ("mistral", "qwen2", "qwen3", "gemma3_text", "gpt_oss"):
         return int(window), None if len(sliding) == n else tuple(i in sliding for i in range(n))
     layers = f"layers {sliding[0]}..{sliding[-1]}" if sliding == list(range(sliding[0], sliding[-1] + 1)) else \
         f"layers {sliding}"
     raise UnsupportedModelError(
         f"sliding_window={window} is not supported for model_type={model_type!r}: it applies to {layers} ({rule}) "
-        f"and jaxspec applies sliding windows to Mistral, Qwen2, Qwen3 and Gemma 3 only, so the model would decode "
-        f"wrongly past "
+        f"and jaxspec applies sliding windows to Mistral, Qwen2, Qwen3, Gemma 3 and GPT-OSS only, so the model would "
+        f"decode wrongly past "
         f"{window} tokens; supported: sliding_window null"
         + f", or a window of at least max_position_embeddings={max_pos}")

@@ -139,3 +139,61 @@ def dequantize_raw(raw: np.ndarray, qtype, shape: tuple[int, ...], out_dtype="fl
         raise ValueError(f"{qtype.name} tensor of shape {shape} needs {n_blocks * type_size} bytes, got {data.size}")
     out = _dequantize_blocks(jnp.asarray(data.reshape(n_blocks, type_size)), int(qtype), jnp.dtype(out_dtype).name)
     return np.asarray(out).reshape(shape)
+
+
+# ---- MXFP4 (GPT-OSS's experts) -----------------------------------------------------------------------------------
+# OCP microscaling FP4: values in e2m1 (1 sign, 2 exponent, 1 mantissa bit), two per byte (the low nibble first),
+# and one e8m0 scale per 32 values (a power of two, 2^(byte - 127)). An e2m1 code's magnitude (codes 1-7: 0.5, 1,
+# 1.5, 2, 3, 4, 6) is (1 + half / 2) * 2^exponent:
+_E2M1_EXPONENT = (0, -1, 0, 0, 1, 1, 2, 2)
+_E2M1_HALF = (0, 0, 0, 1, 0, 1, 0, 1)
+MXFP4_BLOCK = 32
+_E8M0_NAN = 255
+# Output dtypes whose bits are built directly (both with an 8-bit exponent): total bits, mantissa bits.
+_MXFP4_FORMATS = {"float32": (32, 23), "bfloat16": (16, 7)}
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _mxfp4_to(blocks: jax.Array, scales: jax.Array, out_dtype: str) -> jax.Array:
+    """uint8 blocks [R, G, 16] and scales [R, G] -> out_dtype [G*32, R]. Each value's bits are built from its code and
+    scale with integer operations (sign, exponent, the 0.5 mantissa bit; subnormal below 2^-126, infinite above the
+    dtype's range), never a float multiply: exact on any backend, subnormals too (XLA flushes them in arithmetic)."""
+    total, mantissa = _MXFP4_FORMATS[out_dtype]
+    codes = jnp.stack([blocks & 0x0F, blocks >> 4], axis=-1).reshape(*blocks.shape[:-1], -1)   # [R, G, 32]
+    sign = (codes >> 3).astype(jnp.uint32)
+    code = (codes & 7).astype(jnp.int32)
+    exponent = scales.astype(jnp.int32)[..., None] - 127 + jnp.asarray(_E2M1_EXPONENT, jnp.int32)[code]
+    half = jnp.asarray(_E2M1_HALF, jnp.uint32)[code]
+    significand = (jnp.uint32(1) << mantissa) | (half << (mantissa - 1))
+    normal = ((exponent + 127).astype(jnp.uint32) << mantissa) | (half << (mantissa - 1))
+    subnormal = significand >> jnp.clip(-126 - exponent, 0, mantissa + 1).astype(jnp.uint32)
+    infinite = jnp.uint32(255 << mantissa)
+    magnitude = jnp.where(code == 0, jnp.uint32(0),
+                          jnp.where(exponent > 127, infinite, jnp.where(exponent >= -126, normal, subnormal)))
+    bits = ((sign << (total - 1)) | magnitude).astype(jnp.uint32 if total == 32 else jnp.uint16)
+    values = jax.lax.bitcast_convert_type(bits, jnp.dtype(out_dtype))
+    return values.reshape(blocks.shape[0], -1).T
+
+
+def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray, out_dtype="float32", name: str = "") -> np.ndarray:
+    """MXFP4 experts -> host array in the layout transformers' GPT-OSS uses (`convert_moe_packed_tensors`): blocks
+    uint8 [E, R, G, 16] (32 values of row r, columns 32g.. each) and scales uint8 [E, R, G] -> [E, G*32, R] (the
+    grouped matmul's [E, K, N]). The values equal transformers' to the bit. A scale of 255 (e8m0's NaN) is refused
+    as corrupt, naming the tensor `name`. Experts are converted one at a time (on the default backend)."""
+    from jaxspec.models.errors import CorruptModelFileError
+    out_dtype = jnp.dtype(out_dtype).name
+    if out_dtype not in _MXFP4_FORMATS:
+        raise ValueError(f"MXFP4 dequantizes to {', '.join(_MXFP4_FORMATS)}; got out_dtype={out_dtype!r}")
+    blocks, scales = np.asarray(blocks), np.asarray(scales)
+    if blocks.dtype != np.uint8 or scales.dtype != np.uint8 or blocks.ndim != 4 or blocks.shape[-1] != 16 \
+            or blocks.shape[:-1] != scales.shape:
+        raise CorruptModelFileError(f"MXFP4 tensor {name!r}: blocks {blocks.dtype}{list(blocks.shape)} and scales "
+                                    f"{scales.dtype}{list(scales.shape)}; expected uint8 blocks [E, R, G, 16] and "
+                                    "uint8 scales [E, R, G]")
+    if (scales == _E8M0_NAN).any():
+        raise CorruptModelFileError(f"MXFP4 tensor {name!r} has a scale of {_E8M0_NAN} (NaN in e8m0)")
+    E, R, G, _ = blocks.shape
+    out = np.empty((E, G * MXFP4_BLOCK, R), jnp.dtype(out_dtype))
+    for e in range(E):
+        out[e] = np.asarray(_mxfp4_to(jnp.asarray(blocks[e]), jnp.asarray(scales[e]), out_dtype))
+    return out

@@ -11,7 +11,8 @@ import ml_dtypes
 import numpy as np
 from safetensors import safe_open
 
-from jaxspec.models.config import ModelConfig
+from jaxspec.models.config import ModelConfig, is_mxfp4
+from jaxspec.models.dequant import dequantize_mxfp4
 from jaxspec.models.errors import CorruptModelFileError, UnsupportedModelError
 from jaxspec.models.fp8_checkpoint import checkpoint_format, load_fp8_params, quantization_config_of
 from jaxspec.models.model import Model
@@ -147,6 +148,16 @@ def text_model_tensors(tensors: SafetensorsDir, get_tensor):
     return get_text_tensor
 
 
+def with_mxfp4_dequantized(get_tensor, names, dtype: str):
+    """`get_tensor` where a tensor stored in MXFP4 (GPT-OSS's experts: `<name>_blocks` and `<name>_scales` in place of
+    `<name>`) comes back dequantized to `dtype`, in the layout transformers gives it."""
+    def get(name: str):
+        if name not in names and name + "_blocks" in names:
+            return dequantize_mxfp4(get_tensor(name + "_blocks"), get_tensor(name + "_scales"), dtype, name)
+        return get_tensor(name)
+    return get
+
+
 def load_tokenizer_dir(path: str | os.PathLike):
     """A jaxspec Tokenizer from the tokenizer files in `path`, or None when there are none."""
     path = Path(path)
@@ -159,19 +170,22 @@ def load_tokenizer_dir(path: str | os.PathLike):
 
 
 def load_hf_dir(path: str | os.PathLike, dtype="bfloat16") -> Model:
-    """Load a llama / mistral / qwen2 / qwen3 / qwen3_moe / qwen3_next / qwen3_5 / gemma3_text / gemma3 HF directory:
-    config.json, safetensors weights, tokenizer if present (a vision-language checkpoint: its text model alone,
-    `text_model_tensors`). A checkpoint stored in FP8 (jaxspec.models.fp8_checkpoint) keeps its e4m3 weights: the Model comes back
+    """Load a llama / mistral / qwen2 / qwen3 / qwen3_moe / qwen3_next / qwen3_5 / gemma3_text / gemma3 / gpt_oss HF
+    directory: config.json, safetensors weights, tokenizer if present (a vision-language checkpoint: its text model
+    alone, `text_model_tensors`; GPT-OSS's MXFP4 experts dequantized to `dtype`). A checkpoint stored in FP8
+    (jaxspec.models.fp8_checkpoint) keeps its e4m3 weights: the Model comes back
     with quantization="fp8" and its format in quantization_detail."""
     dtype = resolve_dtype(dtype)
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"HF model directory not found: {str(path)!r}")
     config = read_config(path)
-    quantized = quantization_config_of(read_hf_json(path))   # checked by read_config: an FP8 format
+    quantized = quantization_config_of(read_hf_json(path))   # checked by read_config: an FP8 format, or MXFP4
     tensors = SafetensorsDir(path)
     refuse_unread_tensors(config, tensors.file_of)
     get_tensor = tensors.get_raw if quantized else tensors.get_tensor
+    if is_mxfp4(quantized):   # GPT-OSS's experts: dequantized on load, the model then loads as an unquantized one
+        quantized, get_tensor = None, with_mxfp4_dequantized(tensors.get_tensor, tensors.file_of, dtype)
     get_tensor = text_model_tensors(tensors, get_tensor)
     quantization = detail = None
     if quantized:   # stored in FP8: its e4m3 weights kept as they are (the engine runs it as quantization="fp8")

@@ -9,6 +9,8 @@ from jaxspec.models.model import Model
 
 _LLAMA3_ROPE = tuple(sorted(dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                                 original_max_position_embeddings=8192).items()))
+_GPT_OSS_YARN = tuple(sorted(dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+                                  original_max_position_embeddings=4096).items()))
 
 
 def _gemma3_shapes(hidden_size: int, intermediate_size: int, num_layers: int, num_heads: int,
@@ -28,7 +30,7 @@ def _gemma3_shapes(hidden_size: int, intermediate_size: int, num_layers: int, nu
 
 # The presets' shapes, as their GGUF headers give them, and (for multi-GPU runs, no checkpoint needed) the
 # shapes of Llama 3.1 8B and of Llama 3.2 1B, a draft of the same family and vocabulary, of Mistral 7B, of
-# Qwen3-30B-A3B and of Gemma 3 4B and 12B.
+# Qwen3-30B-A3B, of Gemma 3 4B and 12B and of GPT-OSS-20B.
 KNOWN_SHAPES = {
     "llama-3.1-8b": ModelConfig(
         arch="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
@@ -51,6 +53,12 @@ KNOWN_SHAPES = {
                                  num_kv_heads=4),
     "gemma-3-12b": _gemma3_shapes(hidden_size=3840, intermediate_size=15360, num_layers=48, num_heads=16,
                                   num_kv_heads=8),
+    "gpt-oss-20b": ModelConfig(   # sliding (128 keys) and full attention alternating, sinks, 32 experts, 4 per token
+        arch="gpt_oss", vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_layers=24, num_heads=64,
+        num_kv_heads=8, head_dim=64, rms_norm_eps=1e-5, rope_theta=150000.0, rope_scaling=_GPT_OSS_YARN,
+        max_position_embeddings=131072, sliding_window=128, sliding_layers=(True, False) * 12,
+        layer_types=("gpt_oss",) * 24, num_experts=32, num_experts_per_tok=4, moe_intermediate_size=2880,
+        attention_bias=True),
     "smollm2-135m-instruct": ModelConfig(
         arch="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
         num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True,

@@ -171,6 +171,23 @@ HF_LAYER_TENSORS["gemma3_attention"] = {
     "down_proj": (("mlp.down_proj.weight",), None),
     "post_mlp_norm": (("post_feedforward_layernorm.weight",), plus_one),
 }
+
+# GPT-OSS: the attention layer's q/k/v (with biases), o_proj and its bias, the sinks; the router with its bias; the
+# experts as stored ([E, D, 2F] and [E, F, D]: the grouped matmul's layout; an MXFP4 checkpoint's are dequantized by
+# the loader, jaxspec.models.hf_loader).
+EXPERTS = "mlp.experts."
+HF_LAYER_TENSORS["gpt_oss"] = {
+    **{name: HF_LAYER_TENSORS["attention"][name] for name in ("attn_norm", "qkv_proj", "qkv_bias", "o_proj",
+                                                                  "mlp_norm")},
+    "o_bias": ((ATTN + "o_proj.bias",), None),
+    "sinks": ((ATTN + "sinks",), None),
+    "router": (("mlp.router.weight",), None),
+    "router_bias": (("mlp.router.bias",), None),
+    "experts_gate_up_proj": ((EXPERTS + "gate_up_proj",), None),
+    "experts_gate_up_bias": ((EXPERTS + "gate_up_proj_bias",), None),
+    "experts_down_proj": ((EXPERTS + "down_proj",), None),
+    "experts_down_bias": ((EXPERTS + "down_proj_bias",), None),
+}
 # Combines that read the model config (first argument).
 _CONFIG_COMBINES = {plus_one, group_gated_qkv, concat_rows, _gdn_in_proj_combine, conv_kernel, stack_expert_gate_up,
                     stack_expert_down}

@@ -18,14 +18,15 @@ with no edit to the decoder, the step or the engine.
 from __future__ import annotations
 
 import dataclasses
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
 
 from jaxspec.nn import kernels
 from jaxspec.nn.kernels import LayerWeights
-from jaxspec.nn.ops import ForwardBatch, Ops, apply_rope, rms_norm, rope_cos_sin, rope_inv_freq
+from jaxspec.nn.ops import (ForwardBatch, Ops, apply_rope, rms_norm, rope_attention_scale, rope_cos_sin,
+                            rope_inv_freq)
 from jaxspec.nn.schema import Spec
 
 
@@ -139,8 +140,8 @@ def split_qkv(c, lp, qkv, positions, inv_freq=None):
     q, k, v = qkv[:, :, :G].reshape(T, Hq, hd), qkv[:, :, G], qkv[:, :, G + 1]   # [T, Hq, hd], [T, Hkv, hd] x2
     if "q_norm" in lp:
         q, k = rms_norm(q, lp["q_norm"], c.rms_norm_eps), rms_norm(k, lp["k_norm"], c.rms_norm_eps)
-    inv_freq = rope_inv_freq(c) if inv_freq is None else inv_freq
-    return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+    inv_freq, scale = rope_inv_freq(c) if inv_freq is None else inv_freq, rope_attention_scale(c)
+    return apply_rope(q, positions, inv_freq, scale), apply_rope(k, positions, inv_freq, scale), v
 
 
 def attention(c, ops: Ops, lp, x, kv: dict, i, batch: ForwardBatch):
@@ -154,16 +155,18 @@ def attend_qkv(c, ops: Ops, lp, qkv, kv: dict, i, batch: ForwardBatch, inv_freq=
     """The q/k/v projection qkv [T, Hkv*(G+2)*hd] -> (attention output [T, Hq*hd] before o_proj, kv with this
     step's k/v written into layer i): bias, q/k norms and rotary (`inv_freq`: the layer's frequencies; None: the
     model's), the KV write and the attention, in one kernel where `ops.fuses_kv_write`
-    (jaxspec.pallas.paged_attention), else as separate operations."""
+    (jaxspec.pallas.paged_attention), else as separate operations. A layer with attention sinks (`sinks` [Hq]
+    among its weights: GPT-OSS) gives them to the attention."""
     inv_freq = rope_inv_freq(c) if inv_freq is None else inv_freq
+    sinks = lp.get("sinks")
     if ops.fuses_kv_write(batch):
-        cos, sin = rope_cos_sin(batch.positions, inv_freq)                                 # [T, hd/2]
+        cos, sin = rope_cos_sin(batch.positions, inv_freq, rope_attention_scale(c))        # [T, hd/2]
         out, k_pool, v_pool = kernels.fused_attention_fn(c, lp, qkv, cos, sin, kv["k"], kv["v"], i, batch,
-                                                         ops.block_size, window=layer_window(c, i))
+                                                         ops.block_size, window=layer_window(c, i), sinks=sinks)
         return out, {**kv, "k": k_pool, "v": v_pool}
     q, k, v = split_qkv(c, lp, qkv, batch.positions, inv_freq)
     kv = write_kv(kv, i, batch, k, v)
-    return ops.attend(q, kv["k"], kv["v"], i, batch, window=layer_window(c, i)), kv
+    return ops.attend(q, kv["k"], kv["v"], i, batch, window=layer_window(c, i), sinks=sinks), kv
 
 
 # A window no position is that far from: a layer without one, where layers with and without share one program.
@@ -291,6 +294,70 @@ class Gemma3Attention:
         return h + rms_norm(ops.linear(act, lp, "down_proj"), lp["post_mlp_norm"], c.rms_norm_eps), state
 
 
+# ---- GPT-OSS: attention with sinks and biases, experts with biases and a clamped SwiGLU -----------------------
+
+def gpt_oss_moe_params(c) -> dict[str, Spec]:
+    """The router (with a bias) and the experts as the checkpoint lays them out, which is the grouped matmul's
+    [E, K, N]: gate/up [E, D, 2F] (gate and up columns interleaved, so a split of 2F keeps pairs together), down
+    [E, F, D], each with a bias per expert."""
+    D, E, F = c.hidden_size, c.num_experts, c.moe_intermediate_size
+    return {"mlp_norm": Spec((D,), ("embed",), "ones"),
+            "router": Spec((E, D), (None, "embed")), "router_bias": Spec((E,), (None,), "zeros"),
+            "experts_gate_up_proj": Spec((E, D, 2 * F), (None, "embed", "mlp")),
+            "experts_gate_up_bias": Spec((E, 2 * F), (None, "mlp"), "zeros"),
+            "experts_down_proj": Spec((E, F, D), (None, "mlp", "embed")),
+            "experts_down_bias": Spec((E, D), (None, "embed"), "zeros")}
+
+
+def clamped_swiglu(gate_up, alpha: float, limit: float):
+    """GPT-OSS's activation of interleaved gate/up columns [..., 2F] -> [..., F]: the gate clamped above at `limit`,
+    up to [-limit, limit], then (up + 1) * gate * sigmoid(alpha * gate)."""
+    gate = jnp.minimum(gate_up[..., 0::2], limit)
+    up = jnp.clip(gate_up[..., 1::2], -limit, limit)
+    return (up + 1) * (gate * jax.nn.sigmoid(gate * alpha))
+
+
+def gpt_oss_moe(c, ops: Ops, lp, h):
+    """h + MoE(normed h), GPT-OSS's: the router's k largest logits per token (bias added), softmax over those k;
+    each chosen expert's gate/up (+ bias), clamped SwiGLU, down (+ bias), weighted and summed per token. The pairs
+    sorted by expert, one grouped matmul per projection (as `moe`)."""
+    x = rms_norm(h, lp["mlp_norm"], c.rms_norm_eps)
+    logits = ops.linear(x, lp, "router").astype(jnp.float32) + lp["router_bias"].astype(jnp.float32)   # [T, E]
+    top_logits, top_e = jax.lax.top_k(logits, c.num_experts_per_tok)                                 # [T, k]
+    top_w = jax.nn.softmax(top_logits, axis=-1)
+    routes = route_by_expert(top_e, c.num_experts)
+    gate_up = ops.linear(x[routes.token], lp, "experts_gate_up_proj", group_sizes=routes.group_sizes)
+    gate_up = gate_up + lp["experts_gate_up_bias"][routes.expert].astype(gate_up.dtype)          # [T*k, 2F]
+    act = clamped_swiglu(gate_up, c.swiglu_alpha, c.swiglu_limit).astype(x.dtype)
+    out = ops.linear(act, lp, "experts_down_proj", group_sizes=routes.group_sizes)
+    out = out + lp["experts_down_bias"][routes.expert].astype(out.dtype)                         # [T*k, D]
+    return h + routes.combine(out, top_w, h.shape[0]).astype(h.dtype)
+
+
+class GptOss:
+    """GPT-OSS's decoder layer: RMSNorm -> grouped-query attention (q/k/v biases, YaRN rotary, the layer's sliding
+    window if it has one, a learned sink logit per query head in the softmax) -> o_proj + bias -> residual ->
+    RMSNorm -> GPT-OSS's mixture of experts (`gpt_oss_moe`) -> residual."""
+    name = "gpt_oss"
+
+    def params(self, c):
+        p = {**attention_params(c), "sinks": Spec((c.num_heads,), ("heads",), "zeros"), **gpt_oss_moe_params(c)}
+        if c.attention_bias:
+            p["o_bias"] = Spec((c.hidden_size,), ("embed",), "zeros")
+        return p
+
+    def state(self, c, cache):
+        return kv_state(c, cache)
+
+    def __call__(self, c, ops, lp, h, state, i, batch):
+        qkv = ops.linear(h, lp, "qkv_proj", norm="attn_norm", eps=c.rms_norm_eps)
+        out, state = attend_qkv(c, ops, lp, qkv, state, i, batch)                  # the sinks: lp["sinks"]
+        if "o_bias" in lp:
+            h = h + lp["o_bias"].astype(h.dtype)
+        h = ops.linear(out.astype(h.dtype), lp, "o_proj", residual=h)
+        return gpt_oss_moe(c, ops, lp, h), state
+
+
 # ---- hybrids: Qwen3-Next and Qwen3.5 (Gated DeltaNet + gated full attention, dense MLP or MoE) ---------------
 
 def ffn_params(c) -> dict[str, Spec]:
@@ -321,25 +388,44 @@ def moe(c, ops: Ops, lp, h):
     """h + MoE(normed h): softmax router, top-k experts per token (weights renormalised when norm_topk_prob),
     each token's k (token, expert) pairs sorted by expert and run as one grouped matmul (`Ops.linear` with the
     experts' group sizes: `jax.lax.ragged_dot`), no per-expert loop; plus sigmoid(shared_gate . x) * shared expert."""
-    T, D = h.shape
-    E, k = c.num_experts, c.num_experts_per_tok
     x = rms_norm(h, lp["mlp_norm"], c.rms_norm_eps)
     probs = jax.nn.softmax(ops.linear(x, lp, "router").astype(jnp.float32), axis=-1)   # [T, E]
-    top_w, top_e = jax.lax.top_k(probs, k)                                              # [T, k]
+    top_w, top_e = jax.lax.top_k(probs, c.num_experts_per_tok)                          # [T, k]
     if c.norm_topk_prob:
         top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)
-    flat_e = top_e.reshape(-1)
-    order = jnp.argsort(flat_e, stable=True)                                            # pairs grouped by expert
-    token = order // k
-    group_sizes = jnp.bincount(flat_e, length=E).astype(jnp.int32)
-    act = ops.linear(x[token], lp, "experts_gate_up", group_sizes=group_sizes)         # [T*k, F]
-    out = ops.linear(act.astype(x.dtype), lp, "experts_down", group_sizes=group_sizes)  # [T*k, D]
-    out = out * top_w.reshape(-1)[order][:, None].astype(out.dtype)
-    y = jnp.zeros((T, D), out.dtype).at[token].add(out)
+    routes = route_by_expert(top_e, c.num_experts)
+    act = ops.linear(x[routes.token], lp, "experts_gate_up", group_sizes=routes.group_sizes)   # [T*k, F]
+    out = ops.linear(act.astype(x.dtype), lp, "experts_down", group_sizes=routes.group_sizes)  # [T*k, D]
+    y = routes.combine(out, top_w, h.shape[0])
     if "shared_gate_up" in lp:
         shared = ops.linear(ops.linear(x, lp, "shared_gate_up"), lp, "shared_down")
         y = y + jax.nn.sigmoid(ops.linear(x, lp, "shared_gate")) * shared
     return h + y.astype(h.dtype)
+
+
+class ExpertRoutes(NamedTuple):
+    """Each token's k (token, expert) pairs sorted by expert, as the grouped matmul reads them: pair j belongs to
+    token `token[j]` and expert `expert[j]`, at `order[j]` in the flat [T*k] choices; `group_sizes` [E] counts
+    each expert's pairs."""
+    order: jax.Array
+    token: jax.Array
+    expert: jax.Array
+    group_sizes: jax.Array
+
+    def combine(self, out, top_w, num_tokens: int):
+        """The pairs' outputs [T*k, D] weighted by their routing weights top_w [T, k], summed per token: [T, D]."""
+        out = out * top_w.reshape(-1)[self.order][:, None].astype(out.dtype)
+        return jnp.zeros((num_tokens, out.shape[-1]), out.dtype).at[self.token].add(out)
+
+
+def route_by_expert(top_e, num_experts: int) -> ExpertRoutes:
+    """top_e i32[T, k] (each token's chosen experts) -> the pairs grouped by expert (a stable sort: no per-expert
+    loop, one grouped matmul per projection)."""
+    k = top_e.shape[1]
+    flat_e = top_e.reshape(-1)
+    order = jnp.argsort(flat_e, stable=True)
+    return ExpertRoutes(order, order // k, flat_e[order],
+                        jnp.bincount(flat_e, length=num_experts).astype(jnp.int32))
 
 
 def partial_rope(x, positions, c):
@@ -547,8 +633,8 @@ def delta_rule_chunked(q, k, v, beta, g, state, chunk: int = 64):
 
 
 LAYER_KINDS: dict[str, LayerKind] = {"attention": Attention(), "attention_moe": AttentionMoE(),
-                                     "gemma3_attention": Gemma3Attention(), "gated_attention": GatedAttention(),
-                                     "gated_deltanet": GatedDeltaNet()}
+                                     "gemma3_attention": Gemma3Attention(), "gpt_oss": GptOss(),
+                                     "gated_attention": GatedAttention(), "gated_deltanet": GatedDeltaNet()}
 
 
 def per_slot_fields(state_specs: dict[str, Spec]) -> list[str]:

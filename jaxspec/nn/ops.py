@@ -59,6 +59,8 @@ def rope_inv_freq(config, local: bool = False) -> jax.Array:
     scaling = config.rope_scaling_dict
     if scaling and scaling.get("rope_type") == "linear":   # positions divided by `factor` (Gemma 3's global layers)
         return inv_freq / scaling["factor"]
+    if config.rope_type == "yarn":
+        return yarn_inv_freq(config.rope_theta, hd, scaling)
     if scaling:  # llama3: long wavelengths slowed by `factor`, a smooth ramp between the two cut-offs
         factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
         old_len = scaling["original_max_position_embeddings"]
@@ -71,15 +73,48 @@ def rope_inv_freq(config, local: bool = False) -> jax.Array:
     return inv_freq
 
 
-def rope_cos_sin(positions, inv_freq):
-    """f32 cos and sin [T, hd/2] of each position's rotary angles (the fused attention kernel takes these)."""
+def yarn_inv_freq(theta: float, dim: int, scaling: dict) -> jax.Array:
+    """YaRN's frequencies (transformers' _compute_yarn_parameters): dimensions that turn fewer than beta_slow times
+    over the original context are interpolated (divided by `factor`), those that turn more than beta_fast times kept,
+    a linear ramp between (its bounds rounded outwards when `truncate`)."""
+    factor, original = scaling["factor"], scaling["original_max_position_embeddings"]
+
+    def dimension_turning(turns):   # the dimension whose wavelength fits `turns` times in the original context
+        return dim * math.log(original / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dimension_turning(scaling["beta_fast"]), dimension_turning(scaling["beta_slow"])
+    if scaling["truncate"]:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001   # (transformers' guard against a zero-width ramp)
+    pos_freqs = theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim)
+    ramp = jnp.clip((jnp.arange(dim // 2, dtype=jnp.float32) - low) / (high - low), 0, 1)
+    kept = 1 - ramp                                     # 1: extrapolated (as trained), 0: interpolated
+    return (1.0 / (factor * pos_freqs)) * (1 - kept) + (1.0 / pos_freqs) * kept
+
+
+def rope_attention_scale(config) -> float:
+    """The factor rotary multiplies cos and sin by (so q.k by its square): YaRN's 0.1 ln(factor) + 1 (transformers'
+    attention_factor, as it infers it from `factor`), 1 for every other rope."""
+    if config.rope_type != "yarn" or config.rope_scaling_dict["factor"] <= 1:
+        return 1.0
+    return 0.1 * math.log(config.rope_scaling_dict["factor"]) + 1.0
+
+
+def rope_cos_sin(positions, inv_freq, scale: float = 1.0):
+    """f32 cos and sin [T, hd/2] of each position's rotary angles, times `scale` (`rope_attention_scale`); the fused
+    attention kernel takes these."""
     angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]     # [T, hd/2]
-    return jnp.cos(angles), jnp.sin(angles)
+    if scale == 1.0:
+        return jnp.cos(angles), jnp.sin(angles)
+    return jnp.cos(angles) * scale, jnp.sin(angles) * scale
 
 
-def apply_rope(x, positions, inv_freq):
-    """x [T, H, hd] rotated by position (the rotate-half layout of HF checkpoints)."""
-    cos, sin = rope_cos_sin(positions, inv_freq)
+def apply_rope(x, positions, inv_freq, scale: float = 1.0):
+    """x [T, H, hd] rotated by position (the rotate-half layout of HF checkpoints), times `scale`
+    (`rope_attention_scale`)."""
+    cos, sin = rope_cos_sin(positions, inv_freq, scale)
     cos = jnp.concatenate([cos] * 2, axis=-1)[:, None, :]                   # [T, 1, hd]
     sin = jnp.concatenate([sin] * 2, axis=-1)[:, None, :]
     x32 = x.astype(jnp.float32)
