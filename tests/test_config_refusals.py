@@ -3,6 +3,7 @@ does not implement is refused at load, naming the field, its value and what is s
 (or what transformers itself ignores) keeps loading. Pure config dicts and tiny headers: no model weights."""
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import numpy as np
@@ -93,6 +94,20 @@ def test_qwen_sliding_window_only_when_use_sliding_window_and_it_reaches_a_layer
     assert window({**QWEN3_8B, "use_sliding_window": True, "sliding_window": 4096, "max_window_layers": 0}) \
         == (4096, None)                                                       # every layer
     assert ModelConfig.from_hf(QWEN3_8B).arch == "qwen3"
+
+
+def test_qwen3_moe_window_is_every_layers_and_per_layer_tables_need_one_layer_kind():
+    """Qwen3-MoE's use_sliding_window windows every layer, its dense ones (mlp_only_layers) too, as transformers does
+    (it was dropped before: a silent wrong decode past the window). A layer kind runs its layers by their index
+    among its own kind, so a per-layer table of windows (or of Gemma 3's local rotary) with several kinds is refused."""
+    moe = {**QWEN3_8B, "model_type": "qwen3_moe", "num_hidden_layers": 4, "num_experts": 4, "num_experts_per_tok": 2,
+           "moe_intermediate_size": 64, "use_sliding_window": True, "sliding_window": 64, "max_window_layers": 2,
+           "mlp_only_layers": [0]}
+    c = ModelConfig.from_hf(moe)
+    assert (c.sliding_window, c.sliding_layers) == (64, None) and len(set(c.layer_types)) == 2
+    assert ModelConfig.from_hf({**moe, "use_sliding_window": False}).sliding_window is None
+    with pytest.raises(UnsupportedModelError, match="sliding_layers with layers of several kinds"):
+        dataclasses.replace(c, sliding_layers=(False, False, True, True))
 
 
 def test_unknown_or_sliding_layer_types_of_dense_models_are_refused():

@@ -62,3 +62,25 @@ def test_greedy_generation_equals_transformers(checkpoint, speculation):
     if speculation:
         s = llm.stats()["spec"]
         assert 0 < s["accepted_tokens"] < s["draft_tokens"]
+
+
+def test_use_sliding_window_windows_every_layer_as_transformers_does(checkpoint, tmp_path):
+    """use_sliding_window with an 8-key window over 24 tokens: transformers windows every layer (dense and sparse);
+    so does jaxspec, within the same tolerance (with the window ignored the test fails on the logits)."""
+    import json
+    import shutil
+
+    import torch
+    import transformers
+    path, _, token_ids, _ = checkpoint
+    windowed = tmp_path / "windowed"
+    shutil.copytree(path, windowed)
+    config = json.loads((windowed / "config.json").read_text())
+    (windowed / "config.json").write_text(json.dumps({**config, "use_sliding_window": True, "sliding_window": 8}))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(windowed), dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = hf(torch.tensor([token_ids.tolist()])).logits[0].double().numpy()
+    model = load_model(windowed, dtype="float32")
+    assert model.config.sliding_window == 8 and model.config.sliding_layers is None
+    got = np.asarray(model.score(token_ids), np.float64)
+    assert float(np.abs(got - logits).max() / np.abs(logits).max()) <= TOLERANCE

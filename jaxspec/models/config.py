@@ -149,6 +149,14 @@ class ModelConfig:
                 raise ValueError(f"local_rope_layers has {len(self.local_rope_layers)} entries (one per layer: "
                                  f"{self.num_layers}) and needs local_rope_theta; got local_rope_theta="
                                  f"{self.local_rope_theta!r}")
+        per_layer = [name for name in ("sliding_layers", "local_rope_layers") if getattr(self, name) is not None]
+        if per_layer and self.layer_types is not None and len(set(self.layer_types)) > 1:
+            # a layer kind runs its layers by their index among its own kind (jaxspec.nn.decoder), and these tables
+            # are by the model's layer index: with one kind the two agree
+            raise UnsupportedModelError(
+                f"per-layer {' and '.join(per_layer)} with layers of several kinds ({', '.join(sorted(set(self.layer_types)))}"
+                f") is not supported: a model with sliding-window or local-rotary layers must have one layer kind "
+                f"(e.g. a Qwen3-MoE config with use_sliding_window needs mlp_only_layers empty)")
 
     @property
     def kv_window(self) -> int | None:
@@ -490,7 +498,8 @@ def _refuse_unimplemented(hf: dict[str, Any], model_type: str, arch: str) -> Non
 def _sliding_window(hf: dict[str, Any], model_type: str) -> tuple[int | None, tuple[bool, ...] | None]:
     """(the window, which layers attend within it: None for every layer), or (None, None) where none bites; a
     window on the layers of another model type is refused. transformers' rules:
-    Mistral applies `sliding_window` (absent: its default 4096) to every layer; Qwen2/Qwen3 only when
+    Mistral applies `sliding_window` (absent: its default 4096) to every layer, Qwen3-MoE to every layer when
+    `use_sliding_window` is true; Qwen2/Qwen3 only when
     `use_sliding_window` is true, and then to the layers `layer_types` marks "sliding_attention" (absent: layers
     i >= `max_window_layers`, default 28); Llama applies none (a `sliding_window` key is ignored there too, unless
     `layer_types` marks sliding layers). A window of at least max_position_embeddings never bites: the engine caps
@@ -513,13 +522,16 @@ def _sliding_window(hf: dict[str, Any], model_type: str) -> tuple[int | None, tu
         window = hf.get("sliding_window", 4096) if hf.get("use_sliding_window", False) else None
         sliding = marked if types is not None else list(range(hf.get("max_window_layers", 28) or 0, n))
         rule = "use_sliding_window=true"
+    elif model_type == "qwen3_moe":   # transformers: every layer's window when use_sliding_window (no layer rule)
+        window = hf.get("sliding_window", 4096) if hf.get("use_sliding_window", False) else None
+        sliding, rule = list(range(n)), "use_sliding_window=true"
     elif model_type == "gemma3_text":
         window, sliding, rule = hf.get("sliding_window"), marked, "layer_types (or sliding_window_pattern)"
     else:
         window, sliding, rule = hf.get("sliding_window"), marked, "layer_types marks them sliding_attention"
     if window is None or window >= max_pos or not sliding:
         return None, None
-    if model_type in ("mistral", "qwen2", "qwen3", "gemma3_text", "gpt_oss"):
+    if model_type in ("mistral", "qwen2", "qwen3", "qwen3_moe", "gemma3_text", "gpt_oss"):
         return int(window), None if len(sliding) == n else tuple(i in sliding for i in range(n))
     layers = f"layers {sliding[0]}..{sliding[-1]}" if sliding == list(range(sliding[0], sliding[-1] + 1)) else \
         f"layers {sliding}"
