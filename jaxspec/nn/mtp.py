@@ -34,6 +34,7 @@ class MtpHead:
     quantization: str | None = None   # "fp8": its params are quantized (jaxspec.nn.quant; the engine's, at serving)
     method = "mtp"
     aux_layers = ()           # it reads the target's final hidden state only
+    parallel = False          # it drafts as a chain (EagleDrafter's step (b), one forward per draft)
 
     @property
     def target_config(self):
