@@ -84,3 +84,19 @@ def test_use_sliding_window_windows_every_layer_as_transformers_does(checkpoint,
     assert model.config.sliding_window == 8 and model.config.sliding_layers is None
     got = np.asarray(model.score(token_ids), np.float64)
     assert float(np.abs(got - logits).max() / np.abs(logits).max()) <= TOLERANCE
+
+
+def test_ngram_speculation_is_lossless_and_async_equals_sync(checkpoint):
+    """n-gram drafts (matched down to one token: a random model repeats little) verified through the MoE layer:
+    transformers' greedy tokens, and the same drafted and accepted counts async and sync."""
+    path, refs, _, _ = checkpoint
+    target = load_model(path, dtype="float32")
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    counts = {}
+    for mode in (True, False):
+        llm = LLM(target, **ENGINE, speculative_config=spec, async_scheduling=mode)
+        assert [o.token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)] == refs
+        s = llm.stats()["spec"]
+        counts[mode] = (s["draft_tokens"], s["accepted_tokens"])
+    assert counts[True] == counts[False] and counts[True][0] > 0, counts

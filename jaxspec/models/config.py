@@ -36,6 +36,10 @@ _LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_
 _YARN_REQUIRED_KEYS = ("factor", "original_max_position_embeddings")
 _YARN_OPTIONAL_KEYS = ("beta_fast", "beta_slow", "truncate")
 YARN_ARCHITECTURES = ("gpt_oss",)
+# An EAGLE-3 head's config.json (one Llama layer) carries its target's global rotary whatever the target's family
+# (jaxspec.train.eagle3.save_head): Gemma 3's linear scaling, Llama 3's, GPT-OSS's YaRN. The head loader reads each as
+# the target's loader does (jaxspec.nn.ops.rope_inv_freq computes them for any layer).
+DRAFT_HEAD_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # Keys of a rope dict that name no scaling (a dict of only these, without a type, is plain rope). mrope_*: Qwen3.5's
 # multimodal sections, the same rotation for text (every section gets the same position).
 _PLAIN_ROPE_KEYS = {"rope_type", "type", "rope_theta", "partial_rotary_factor", "mrope_section", "mrope_interleaved"}
@@ -214,10 +218,11 @@ class ModelConfig:
         return "default" if not scaling else scaling.get("rope_type", "llama3")
 
     @classmethod
-    def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
+    def from_hf(cls, hf: dict[str, Any], draft_head: bool = False) -> "ModelConfig":
         """Build from a HF config.json dict; a missing required field raises a ValueError naming it, and a field
         asking for something jaxspec does not implement (a sliding window that bites, a rope scaling type other than
-        llama3 or GPT-OSS's yarn, biases it would ignore, soft-capping, ...: `_refuse_unimplemented`) an UnsupportedModelError."""
+        llama3 or GPT-OSS's yarn, biases it would ignore, soft-capping, ...: `_refuse_unimplemented`) an UnsupportedModelError.
+        draft_head: the config of an EAGLE head, whose rotary may be any of DRAFT_HEAD_ROPE_TYPES (its target's)."""
         quantized = quantization_config_of(hf)
         if quantized and not is_mxfp4(quantized):   # its tensors are not all the weights: an FP8 format, or refused
             checkpoint_format(quantized)
@@ -255,7 +260,7 @@ class ModelConfig:
             extra = _gemma3_fields(hf)
             rope_theta, rope_scaling = extra.pop("rope_theta"), extra.pop("rope_scaling")
         else:
-            rope_scaling = _rope_scaling(hf, arch)
+            rope_scaling = _rope_scaling(hf, arch, draft_head)
             rope_theta = hf.get("rope_theta")
             if rope_theta is None and isinstance(hf.get("rope_parameters"), dict):
                 rope_theta = hf["rope_parameters"].get("rope_theta")
@@ -396,9 +401,11 @@ def _hybrid_fields(hf: dict[str, Any], arch: str) -> dict[str, Any]:
     return fields
 
 
-def _rope_scaling(hf: dict[str, Any], arch: str) -> tuple | None:
+def _rope_scaling(hf: dict[str, Any], arch: str, draft_head: bool = False) -> tuple | None:
     """The config's rope scaling as ModelConfig.rope_scaling (None: plain rope); a type jaxspec does not implement
-    (dynamic, linear, longrope, ...; yarn outside YARN_ARCHITECTURES) is refused, naming it."""
+    (dynamic, linear, longrope, ...; yarn outside YARN_ARCHITECTURES) is refused, naming it. An EAGLE head's
+    (`draft_head`) may be any of DRAFT_HEAD_ROPE_TYPES."""
+    supported = DRAFT_HEAD_ROPE_TYPES if draft_head else ROPE_TYPES
     field, scaling = "rope_scaling", hf.get("rope_scaling") or None
     if scaling is None and isinstance(hf.get("rope_parameters"), dict):   # transformers >= 5 spelling
         field, scaling = "rope_parameters", hf["rope_parameters"]
@@ -414,16 +421,18 @@ def _rope_scaling(hf: dict[str, Any], arch: str) -> tuple | None:
             raise UnsupportedModelError(f"{field}={scaling!r} names no rope_type but sets {', '.join(scales)}; "
                                         f"supported: no scaling, or rope_type in {', '.join(ROPE_TYPES)}")
         kind = "default"
-    if kind not in ROPE_TYPES:
+    if kind not in supported:
         raise UnsupportedModelError(f"unsupported rope scaling type {kind!r} ({field}={scaling!r}); supported: "
-                                    f"{', '.join(ROPE_TYPES)}")
+                                    f"{', '.join(supported)}")
     if kind == "default":
         return None
     if arch in HYBRID_ARCHITECTURES:
         raise UnsupportedModelError(f"{field} type {kind!r} is not supported for {arch} (its partial rotary applies "
                                     "no rope scaling); supported: rope_type 'default'")
+    if kind == "linear":   # (a draft head's: Gemma 3's global layers)
+        return _linear_scaling(field, scaling)
     if kind == "yarn":
-        if arch not in YARN_ARCHITECTURES:   # tested against transformers for GPT-OSS only
+        if arch not in YARN_ARCHITECTURES and not draft_head:   # tested against transformers for GPT-OSS only
             raise UnsupportedModelError(f"unsupported rope scaling type 'yarn' for {arch} ({field}={scaling!r}); "
                                         f"supported: default, llama3 (yarn: {', '.join(YARN_ARCHITECTURES)})")
         return _yarn_scaling(hf, field, scaling)
@@ -432,6 +441,16 @@ def _rope_scaling(hf: dict[str, Any], arch: str) -> tuple | None:
         raise UnsupportedModelError(f"{field} type 'llama3' lacks {', '.join(missing)}; it needs "
                                     f"{', '.join(_LLAMA3_ROPE_KEYS)}")
     return tuple(sorted((k, scaling[k]) for k in _LLAMA3_ROPE_KEYS))
+
+
+def _linear_scaling(field: str, scaling: dict) -> tuple:
+    """Linear scaling (positions divided by `factor`) as ModelConfig.rope_scaling, the form Gemma 3's loader gives
+    its global layers'; a field other than factor that would scale is refused, naming it."""
+    unknown = sorted(set(scaling) - _PLAIN_ROPE_KEYS - {"factor"})
+    if unknown or "factor" not in scaling:
+        raise UnsupportedModelError(f"{field} type 'linear' needs factor and nothing else that scales ({field}="
+                                    f"{scaling!r}); supported: factor")
+    return (("factor", float(scaling["factor"])), ("rope_type", "linear"))
 
 
 def _yarn_scaling(hf: dict[str, Any], field: str, scaling: dict) -> tuple:

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.models.config import ModelConfig
+from jaxspec.models.config import DRAFT_HEAD_ROPE_TYPES, ModelConfig
 from jaxspec.nn.decoder import Decoder, segment_positions
 from jaxspec.nn.eagle import EagleHead, eagle3_aux_layers
 from jaxspec.nn.layers import mlp, project_qkv
@@ -42,11 +42,23 @@ from jaxspec.train.data import Examples
 CHECKPOINTS = "checkpoints"
 
 
+# The target layer kinds whose residual streams the trainer reads (jaxspec.nn.layers.LAYER_KINDS): attention with
+# a KV cache alone. The hybrids' kinds (gated_deltanet, gated_attention) carry per-slot recurrent state.
+EAGLE3_TARGET_LAYER_KINDS = ("attention", "attention_moe", "gemma3_attention", "gpt_oss")
+
+
 def head_config(target: ModelConfig) -> ModelConfig:
-    """The head's config: one Llama decoder layer (no q/k/v bias, no q/k norm) of the target's width, heads and
-    MLP size, with the rotary settings config.json can carry (what the loader will read back)."""
-    return dataclasses.replace(target, arch="llama", num_layers=1, layer_types=None, tie_word_embeddings=False,
-                               rope_freq_factors=None)
+    """The head's config: one plain Llama decoder layer (no biases, q/k norms, window, sinks, experts, (1 + w) norms,
+    embedding scale or GELU, whatever the target's family) of the target's width, heads, head_dim and MLP size, with
+    the target's global rotary (rope_theta and rope_scaling: Gemma 3's full-attention layers', GPT-OSS's YaRN), which
+    the head's config.json carries and the head loader reads back (`save_head`). Built field by field, so that no
+    family field of the target reaches the head."""
+    return ModelConfig(arch="llama", vocab_size=target.vocab_size, hidden_size=target.hidden_size,
+                       intermediate_size=target.intermediate_size, num_layers=1, num_heads=target.num_heads,
+                       num_kv_heads=target.num_kv_heads, head_dim=target.head_dim, rms_norm_eps=target.rms_norm_eps,
+                       rope_theta=target.rope_theta, rope_scaling=target.rope_scaling,
+                       max_position_embeddings=target.max_position_embeddings, bos_token_id=target.bos_token_id,
+                       eos_token_ids=target.eos_token_ids)
 
 
 def draft_vocabulary(tokens: np.ndarray, weights: np.ndarray, vocab_size: int, size: int) -> np.ndarray:
@@ -63,9 +75,11 @@ def predicted_tokens(target, examples: Examples, batch_size: int, progress: bool
     target over all the data (minutes on a CPU): progress shown per batch when `progress`."""
     from tqdm.auto import tqdm
     decoder = Decoder(target.config)
-    # the batch's sequences side by side (vmap): one matmul of B x T rows per weight, not B of T rows
-    fn = jax.jit(jax.vmap(lambda params, seq: jnp.argmax(decoder.dense_forward(params, seq)[0], -1).astype(jnp.int32),
-                          in_axes=(None, 0)))
+    argmax = lambda params, seq: jnp.argmax(decoder.dense_forward(params, seq)[0], -1).astype(jnp.int32)  # noqa: E731
+    if target.config.moe:   # the experts' grouped matmul (ragged_dot) has no batching rule: one sequence at a time
+        fn = jax.jit(lambda params, seqs: jax.lax.map(lambda seq: argmax(params, seq), seqs))
+    else:   # the batch's sequences side by side (vmap): one matmul of B x T rows per weight, not B of T rows
+        fn = jax.jit(jax.vmap(argmax, in_axes=(None, 0)))
     starts = range(0, len(examples), batch_size)
     bar = tqdm(total=len(examples), desc="target predictions (draft vocabulary)", disable=not progress, unit="seq")
     parts = []
@@ -325,8 +339,12 @@ def train(target, examples: Examples, out_dir, config: TrainConfig = TrainConfig
     out_dir = Path(out_dir).absolute()
     out_dir.mkdir(parents=True, exist_ok=True)
     tc = target.config
-    if tc.layer_types and any(t != "attention" for t in tc.layer_types):
-        raise ValueError("EAGLE-3 training supports attention-only targets (Llama / Qwen2 / Qwen3 families)")
+    refused = sorted(set(tc.layer_types or ()) - set(EAGLE3_TARGET_LAYER_KINDS))
+    if refused:
+        raise ValueError(f"EAGLE-3 training does not support a target with layer kinds {', '.join(refused)} (arch "
+                         f"{tc.arch!r}: per-slot recurrent state); supported: targets whose layers are all of "
+                         f"{', '.join(EAGLE3_TARGET_LAYER_KINDS)} (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Gemma 3, "
+                         f"GPT-OSS)")
     if len(examples) == 0 or examples.num_target_tokens == 0:
         raise ValueError("nothing to train on: the examples have no assistant tokens")
     if examples.ids.max() >= tc.vocab_size:
@@ -506,6 +524,23 @@ def train(target, examples: Examples, out_dir, config: TrainConfig = TrainConfig
 
 # ---- the HF layout ------------------------------------------------------------------------------------------
 
+def head_rope_scaling(c: ModelConfig) -> dict | None:
+    """The head's rope scaling as its config.json's `rope_scaling`, its type named (the loaders require one), each
+    field as the head loader (ModelConfig.from_hf, draft_head) reads it back to the same ModelConfig.rope_scaling:
+    linear (Gemma 3's global layers), llama3 (held without a type), yarn. None: plain rope."""
+    written = tuple(t for t in DRAFT_HEAD_ROPE_TYPES if t != "default")
+    if c.rope_freq_factors is not None:   # a GGUF target's per-frequency divisors: no config.json field holds them
+        raise ValueError(f"a head with rope_freq_factors (GGUF rope_freqs) cannot be written in the HF layout; "
+                         f"supported: rope_scaling of type {', '.join(written)}, or none")
+    scaling = c.rope_scaling_dict
+    if not scaling:
+        return None
+    if c.rope_type not in written:
+        raise ValueError(f"the head's rope scaling {scaling!r} (type {c.rope_type!r}) cannot be written in its "
+                         f"config.json; supported: {', '.join(written)}")
+    return {**scaling, "rope_type": c.rope_type}
+
+
 def save_head(path, head: EagleHead, params: dict, d2t: np.ndarray) -> Path:
     """config.json + model.safetensors in the published EAGLE-3 layout: fc, midlayer.* (q/k/v/o, gate/up/down,
     input_layernorm, hidden_norm, post_attention_layernorm), norm, lm_head over the draft vocabulary, d2t (the
@@ -539,14 +574,16 @@ def save_head(path, head: EagleHead, params: dict, d2t: np.ndarray) -> Path:
               "intermediate_size": c.intermediate_size, "num_attention_heads": c.num_heads,
               "num_key_value_heads": c.num_kv_heads, "head_dim": hd, "num_hidden_layers": 1,
               "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta, "vocab_size": tc.vocab_size,
-              "draft_vocab_size": len(d2t), "max_position_embeddings": 32768, "tie_word_embeddings": False,
+              "draft_vocab_size": len(d2t), "max_position_embeddings": c.max_position_embeddings,
+              "bos_token_id": c.bos_token_id, "eos_token_id": list(c.eos_token_ids), "tie_word_embeddings": False,
               "torch_dtype": "float32"}
     if head.parallel:
         config["parallel_drafting"] = True
     # No eagle_aux_hidden_state_layer_ids: vLLM reads those ids as "the output of layer id-1" and SGLang as "the
     # output of layer id", so any value is wrong in one of them; both default to the layers this head reads.
-    if c.rope_scaling_dict:   # llama3's, the one scaling ModelConfig holds: its type named, as the loaders require
-        config["rope_scaling"] = {"rope_type": "llama3", **c.rope_scaling_dict}
+    rope_scaling = head_rope_scaling(c)
+    if rope_scaling is not None:
+        config["rope_scaling"] = rope_scaling
     tmp = path / "model.safetensors.tmp"
     save_file(tensors, str(tmp))
     tmp.replace(path / "model.safetensors")

@@ -206,7 +206,7 @@ def load_eagle_head(path, target_config, dtype) -> tuple[EagleHead, dict]:
     layers.{i}.*, optional norm; EAGLE-3: fc, midlayer.* with hidden_norm, norm, lm_head, d2t)."""
     from jaxspec.models.weights import read_layer_weight
     hf, tensors = _read_head_dir(path)
-    config = ModelConfig.from_hf(hf)
+    config = ModelConfig.from_hf(hf, draft_head=True)   # its rotary: its target's global one, any family's
     tc = target_config
     D = tc.hidden_size
     if config.hidden_size != D:
