@@ -284,6 +284,43 @@ def test_eagle3_drafts_inside_the_grammar_are_accepted_and_lossless(target, comp
         assert (per_position > 0).all() and 0 < spec["accepted_tokens"] < spec["draft_tokens"], spec
 
 
+def test_a_parallel_head_carries_the_grammar_state_across_its_drafts(target, compiler, eagle3_head, tmp_path):
+    """A parallel EAGLE-3 head (the random head above with random placeholders: docs/parallel_drafting.md) drafting
+    under a JSON schema and a regex, greedy, async and sync: the outputs are the host reference's constrained greedy
+    tokens, valid, the same counts async and sync, and drafts are accepted at every draft position: where the
+    grammar leaves one token, each of the k drafts picked from the one forward is masked by the state its
+    predecessors reached (masked by the state before the first, the later forced drafts would be rejected)."""
+    import shutil
+    from safetensors.numpy import load_file, save_file
+    head = tmp_path / "parallel"
+    shutil.copytree(eagle3_head, head)
+    tensors = load_file(str(head / "model.safetensors"))
+    D = target.config.hidden_size
+    rng = np.random.default_rng(4)
+    tensors.update(mask_embed=rng.standard_normal(D).astype(np.float32),
+                   mask_hidden=rng.standard_normal(D).astype(np.float32))
+    save_file(tensors, str(head / "model.safetensors"))
+    config = json.loads((head / "config.json").read_text())
+    (head / "config.json").write_text(json.dumps({**config, "parallel_drafting": True}))
+    k, max_tokens = 3, 60
+    reference = HostReference(target, compiler)
+    constraints = [JSON, REGEX]
+    prompts = [prompt_of(7, 60), prompt_of(4, 61)]
+    outputs = [reference.greedy(so, p, max_tokens) for so, p in zip(constraints, prompts)]
+    runs = {}
+    for mode in (True, False):
+        llm = LLM(target, **{**ENGINE, "num_kv_blocks": 64}, async_scheduling=mode,
+                  speculative_config=dict(method="eagle3", model=str(head), num_speculative_tokens=k))
+        outs = run(llm, prompts, [SamplingParams(temperature=0, max_tokens=max_tokens, structured_outputs=so)
+                                  for so in constraints])
+        for so, out, o in zip(constraints, outputs, outs):
+            assert o.token_ids == out and o.finish_reason == "stop" and valid(so, o.text), (mode, so.kind, o.text)
+        spec = llm.stats()["spec"]
+        assert all(p > 0 for p in spec["per_position_acceptance"]), spec
+        runs[mode] = [(o.metrics["num_draft_tokens"], o.metrics["num_accepted_tokens"]) for o in outs]
+    assert runs[True] == runs[False]
+
+
 def test_sampled_drafts_keep_the_constrained_distribution(target, draft, compiler):
     """Seeded requests under a choice constraint, drafts sampled by a draft model that differs from the target:
     the distribution of whole outputs is the target's masked distribution, computed exactly on the host (p and
