@@ -49,13 +49,8 @@ def hf_model(family: str):
                     p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name)))
                             / p.shape[-1] ** 0.5)
     elif family == "gemma3":      # local (8-key window), global (linear rope), local
-        from test_gemma3 import tiny_config
-        hf = transformers.Gemma3ForCausalLM(tiny_config())
-        randomize_(hf, 0)
-        with torch.no_grad():   # Gemma's norms scale by (1 + w): w around 0, as trained ones are
-            for name, p in hf.named_parameters():
-                if "norm" in name:
-                    p.sub_(1.0)
+        from test_gemma3 import tiny_model
+        hf = tiny_model()
     else:                         # sliding and full layers, YaRN, sinks, biases, experts
         from test_gpt_oss import CONFIG, randomize_gpt_oss_
         hf = transformers.AutoModelForCausalLM.from_config(transformers.GptOssConfig(**CONFIG), dtype=torch.float32)

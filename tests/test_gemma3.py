@@ -47,12 +47,10 @@ def hf_logits(hf, token_ids) -> np.ndarray:
         return hf(torch.tensor([list(token_ids)])).logits[0].double().numpy()
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    """(directory, transformers' model loaded back from it, its greedy continuations of PROMPTS)."""
+def tiny_model():
+    """transformers' Gemma3ForCausalLM of `tiny_config`, random weights (float32)."""
     import torch
     import transformers
-    path = tmp_path_factory.mktemp("gemma3")
     torch.manual_seed(0)
     hf = transformers.Gemma3ForCausalLM(tiny_config())
     randomize_(hf, 0)
@@ -60,7 +58,16 @@ def checkpoint(tmp_path_factory):
         for name, p in hf.named_parameters():
             if "norm" in name:
                 p.sub_(1.0)
-    hf.save_pretrained(str(path), safe_serialization=True)
+    return hf
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """(directory, transformers' model loaded back from it, its greedy continuations of PROMPTS)."""
+    import torch
+    import transformers
+    path = tmp_path_factory.mktemp("gemma3")
+    tiny_model().save_pretrained(str(path), safe_serialization=True)
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     return path, hf, [hf_greedy(hf, p, MAX_TOKENS) for p in PROMPTS]
 
