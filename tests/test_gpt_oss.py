@@ -97,11 +97,16 @@ def log_softmax(x):
     return x - np.log(np.exp(x).sum(-1, keepdims=True))
 
 
-def test_greedy_generation_and_logprobs_equal_transformers(checkpoint):
+@pytest.mark.parametrize("grouped_matmul", ["xla", "pallas"])
+def test_greedy_generation_and_logprobs_equal_transformers(checkpoint, grouped_matmul, monkeypatch):
     """Prefill (chunked: 16-token steps) and decode through the engine: transformers' tokens, and logprobs (the
-    token's and the top 2) within float32 rounding of its log-softmax."""
+    token's and the top 2) within float32 rounding of its log-softmax; the experts as XLA's ragged_dot and as the
+    grouped-matmul kernel (interpreted here) that a GPU runs."""
     path, hf, refs = checkpoint
-    outs = generate(LLM(str(path), **ENGINE), logprobs=2)
+    monkeypatch.setenv("JAXSPEC_GROUPED_MATMUL", grouped_matmul)
+    llm = LLM(str(path), **ENGINE)
+    assert llm.engine.runner.ops.grouped_matmul == grouped_matmul
+    outs = generate(llm, logprobs=2)
     assert [o.token_ids for o in outs] == refs
     error = logprob_error(hf, outs)
     print(f"GPT-OSS engine logprobs (prefill, decode): max error {error:.2e}")

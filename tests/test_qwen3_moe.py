@@ -50,13 +50,17 @@ def test_logits_match_transformers(checkpoint):
     assert float(np.abs(np.asarray(got, np.float64) - logits).max() / np.abs(logits).max()) <= TOLERANCE
 
 
-@pytest.mark.parametrize("speculation", [False, True])
-def test_greedy_generation_equals_transformers(checkpoint, speculation):
+@pytest.mark.parametrize("speculation,grouped_matmul", [(False, "xla"), (True, "xla"), (True, "pallas")])
+def test_greedy_generation_equals_transformers(checkpoint, speculation, grouped_matmul, monkeypatch):
+    """Plain and speculative (accepted and rejected drafts), the experts as XLA's ragged_dot and as the
+    grouped-matmul kernel (interpreted here) that a GPU runs."""
     path, refs, _, _ = checkpoint
     target = load_model(path, dtype="float32")
     spec = ({"method": "draft_model", "model": perturbed(target, 0.05, 1), "num_speculative_tokens": 3}
             if speculation else None)
+    monkeypatch.setenv("JAXSPEC_GROUPED_MATMUL", grouped_matmul)
     llm = LLM(target, **ENGINE, speculative_config=spec)
+    assert llm.engine.runner.ops.grouped_matmul == grouped_matmul
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     assert [o.token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)] == refs
     if speculation:

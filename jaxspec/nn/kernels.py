@@ -13,6 +13,7 @@ import jax.numpy as jnp
 
 from jaxspec.pallas import paged_attention as pa   # attributes read at call time (NUM_SPLITS, kernels set for a run)
 from jaxspec.pallas.delta_rule import CHUNK, delta_rule_chunked, delta_rule_recurrent
+from jaxspec.pallas import grouped_matmul as gm
 from jaxspec.pallas.gemv import gemv, tiling_for
 
 
@@ -80,6 +81,18 @@ def gemv_matmul(x, lp, name: str):
         return None
     y = gemv(x, w, layer, scale=scale, tiling=tiling)
     return (y.sum(0) if tiling.splits > 1 else y).astype(x.dtype)
+
+
+def grouped_linear(x, lp, name: str, group_sizes, out_dtype=None):
+    """`Ops.linear` of the experts over the grouped-matmul kernel (jaxspec.pallas.grouped_matmul): x [R, K], rows
+    sorted by expert, against lp[name] [E, K, N] (gate/up pairs [E, K, F, 2], read as [E, K, 2F]) -> [R, N], only
+    the experts rows were routed to read. None where no tiling divides the weight: the caller uses ragged_dot."""
+    w, layer = stacked(lp, name)
+    w = w.reshape(*w.shape[:3], -1)      # [L, E, K, N] (pairs' gate and up columns interleaved: a bitcast)
+    tiling = gm.tiling_for(w.shape[-1], x.shape[1])
+    if tiling is None:
+        return None
+    return gm.grouped_matmul(x, w, layer, group_sizes, tiling=tiling, out_dtype=out_dtype)
 
 
 def _scales(lp, name: str):

@@ -198,6 +198,14 @@ def gemv_matmuls(spec: str) -> frozenset:
     return frozenset(GEMV_MATMULS[n] for n in names)
 
 
+def grouped_matmul_choice(gpu: bool) -> str:
+    """JAXSPEC_GROUPED_MATMUL, "pallas" or "xla" (Ops.grouped_matmul); by default the kernel on a GPU."""
+    value = os.environ.get("JAXSPEC_GROUPED_MATMUL", "pallas" if gpu else "xla")
+    if value not in ("pallas", "xla"):
+        raise ValueError(f"JAXSPEC_GROUPED_MATMUL={value!r}; valid: 'pallas' or 'xla'")
+    return value
+
+
 def w8a8_from_tokens(quantization: str | None, gpu: bool) -> int | None:
     """FP8 weights: the smallest step (tokens) whose XLA matmuls quantize activations too. JAXSPEC_FP8_W8A8_FROM: a
     token count, or "never" (W8A16 at every size). Measured on an H100 (docs/lab/2026-11-27-fp8.md): XLA's W8A16
@@ -266,6 +274,10 @@ class Ops:
     # ops) or "fused" (those inside the kernel, as bf16's). Measured on an H100 (1.5B shapes, docs/lab/2026-11-27-fp8.md):
     # the decode step 1.473 ms plain against 1.912 ms fused (bf16: 1.702). JAXSPEC_FP8_GEMV.
     fp8_gemv: str = "plain"
+    # The experts' grouped matmul (MoE layers): "pallas" (jaxspec.pallas.grouped_matmul: only the experts rows were
+    # routed to are read) or "xla" (jax.lax.ragged_dot, which XLA lowers on a GPU to a product with every expert).
+    # On a GPU the kernel by default (one device, bf16/f32 experts); JAXSPEC_GROUPED_MATMUL=xla for measuring.
+    grouped_matmul: str = "xla"
 
     def use_gemv(self, num_tokens: int) -> bool:
         limit = GEMV_MAX_TOKENS_FP8 if self.quantization is not None else GEMV_MAX_TOKENS
@@ -306,9 +318,11 @@ class Ops:
         if group_sizes is not None:
             pairs = w.ndim == 4
             w = w.reshape(*w.shape[:2], -1)     # [E, K, N] (pairs: gate and up columns interleaved)
-            if scale is not None:   # FP8 experts: each expert's per-output-channel scales [E, N], W8A16
+            kernel = self.grouped_matmul == "pallas" and self.tp is None and scale is None and x.ndim == 2
+            y = kernels.grouped_linear(x, lp, name, group_sizes, out_dtype) if kernel else None   # None: no tiling
+            if y is None and scale is not None:   # FP8 experts: each expert's per-output-channel scales [E, N], W8A16
                 y = quant.fp8_ragged_dot(x, w, scale.reshape(w.shape[0], -1), group_sizes, out_dtype=out_dtype)
-            else:
+            elif y is None:
                 y = jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=out_dtype)
         else:
             pairs = w.ndim == 3
@@ -361,7 +375,8 @@ class Ops:
                        "JAXSPEC_GEMV", ("all" if quantization else "down") if gpu else "")),
                    fused_attention=os.environ.get("JAXSPEC_FUSED_ATTENTION", "1") != "0",
                    quantization=quantization, w8a8_from_tokens=w8a8_from_tokens(quantization, gpu),
-                   fp8_gemv=os.environ.get("JAXSPEC_FP8_GEMV", "plain"))
+                   fp8_gemv=os.environ.get("JAXSPEC_FP8_GEMV", "plain"),
+                   grouped_matmul=grouped_matmul_choice(gpu))
 
     def compiler_options(self, num_tokens: int, tier: str = "tuned") -> dict:
         """XLA options for the compile of a step of `num_tokens` tokens. "tuned": measured on an H100 (Qwen2.5-1.5B,

@@ -1,0 +1,78 @@
+"""The experts' grouped matmul (jaxspec.pallas.grouped_matmul) against XLA's ragged_dot on GPT-OSS-20B's expert
+shapes (32 experts, top 4; gate/up [2880, 5760], down [2880, 2880]), bf16, for the rows of a decode step of T
+tokens routed at random. L layers' experts are stacked and each layer's read once per call (so the weights stream
+from HBM); wall time of the jitted call over L layers / L.
+
+    python3 benchmarks/kernels/bench_grouped_matmul.py --tokens 1 8 32 160 [--sweep] [--json OUT.json]
+
+Prints per (matmul, tokens): the routed experts' bytes, ragged_dot's time, each tiling's, and the best as GB/s of
+the routed experts' weights.
+"""
+import argparse
+import itertools
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec.pallas.grouped_matmul import Tiling, grouped_matmul
+
+L, E, TOP_K, D, F = 6, 32, 4, 2880, 2880
+SHAPES = {"gate_up": (D, 2 * F), "down": (F, D)}
+
+
+def timed(fn, *args, reps: int = 10) -> float:
+    jax.block_until_ready(fn(*args))
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        out = fn(*args)
+    jax.block_until_ready(out)
+    return (time.perf_counter() - t0) / reps / L
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 32, 160])
+    p.add_argument("--sweep", action="store_true", help="every tiling of the grid below, not the default alone")
+    p.add_argument("--json")
+    a = p.parse_args()
+    rng = np.random.default_rng(0)
+    rows = []
+    for name, (K, N) in SHAPES.items():
+        w = (0.02 * jax.random.normal(jax.random.PRNGKey(0), (L, E, K, N), jnp.float32)).astype(jnp.bfloat16)
+        for T in a.tokens:
+            top_e = np.stack([rng.choice(E, TOP_K, replace=False) for _ in range(T)])
+            gs = jnp.asarray(np.bincount(top_e.reshape(-1), minlength=E), jnp.int32)
+            x = jnp.asarray(rng.standard_normal((T * TOP_K, K)), jnp.bfloat16)
+            routed = int((np.asarray(gs) > 0).sum())
+            nbytes = routed * K * N * 2
+            xla = jax.jit(lambda x, w, gs: sum(jax.lax.ragged_dot(x, w[i], gs) for i in range(L)))
+            row = {"matmul": name, "tokens": T, "rows": T * TOP_K, "routed_experts": routed,
+                   "xla_us": 1e6 * timed(xla, x, w, gs), "tilings": []}
+            grid = (itertools.product((16,), (16, 32, 64, 128), (32, 64), (4,), (3, 4)) if a.sweep
+                    else [(16, 64, 64, 4, 3)])
+            for bm, bn, bk, warps, stages in grid:
+                if N % bn or K % bk:
+                    continue
+                t = Tiling(bm, bn, bk, warps, stages)
+                fn = jax.jit(lambda x, w, gs, t=t: sum(grouped_matmul(x, w, jnp.int32(i), gs, tiling=t)
+                                                       for i in range(L)))
+                try:
+                    us = 1e6 * timed(fn, x, w, gs)
+                except Exception as e:   # a tiling Triton refuses (shared memory): skipped
+                    print(f"  {t}: {type(e).__name__}", flush=True)
+                    continue
+                row["tilings"].append({"tiling": [bm, bn, bk, warps, stages], "us": us, "GBps": nbytes / us / 1e3})
+            best = min(row["tilings"], key=lambda r: r["us"])
+            print(f"{name:8s} T={T:4d} routed {routed:2d}/{E}: ragged_dot {row['xla_us']:8.1f} us | kernel best "
+                  f"{best['us']:8.1f} us {best['GBps']:6.0f} GB/s {best['tiling']}", flush=True)
+            rows.append(row)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
