@@ -26,7 +26,7 @@ def _head_config(target_config, num_layers: int, **extra) -> dict:
 
 def _layer(rng, prefix: str, cfg: dict, attn_in: int, with_input_norm: bool) -> dict:
     D, F = cfg["hidden_size"], cfg["intermediate_size"]
-    hd = D // cfg["num_attention_heads"]
+    hd = cfg.get("head_dim") or D // cfg["num_attention_heads"]
     q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
 
     def mat(*shape):
@@ -60,13 +60,16 @@ def write_eagle1_head(path, target_config, seed: int = 0, num_layers: int = 1, f
 
 
 def write_eagle3_head(path, target_config, seed: int = 0, draft_vocab_size: int | None = None,
-                      draft_to_target=None) -> Path:
+                      draft_to_target=None, head_dim: int | None = None) -> Path:
+    """A random EAGLE-3 head in the published HF layout for `target_config`; head_dim: its attention's head width
+    where it is not hidden_size / heads (the published heads of Gemma 3 and GPT-OSS targets take the target's)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
     V = target_config.vocab_size
     Vd = len(draft_to_target) if draft_to_target is not None else draft_vocab_size or V // 2
-    cfg = _head_config(target_config, 1, architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=Vd)
+    cfg = _head_config(target_config, 1, architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=Vd,
+                       **({"head_dim": head_dim} if head_dim else {}))
     D = cfg["hidden_size"]
     if draft_to_target is None:
         draft_to_target = np.sort(rng.choice(V, Vd, replace=False))

@@ -10,6 +10,9 @@ replay hook itself (`engine.params`, `engine.replay_step`, ...): `handles` picks
 """
 import argparse
 import json
+import os
+import sys
+import tempfile
 import time
 
 import jax
@@ -67,6 +70,10 @@ def main():
                                                     "(every program without autotuning: the fast tier's TPOT)")
     p.add_argument("--model", default="qwen2.5-coder-1.5b-instruct", help="a preset's shapes, random bf16 weights")
     p.add_argument("--draft-model", default="qwen2.5-coder-0.5b-instruct")
+    p.add_argument("--eagle3-batches", type=int, nargs="*", default=[],
+                   help="also these batches with a random EAGLE-3 head (k = 4, the target's head width, 32000-token "
+                        "draft vocabulary): the speculative step's cost (random drafts are rejected, so its TPOT is not "
+                        "a speculative speed-up)")
     p.add_argument("--quantization", default=None, choices=["fp8"], help="LLM's quantization")
     p.add_argument("--json")
     a = p.parse_args()
@@ -82,9 +89,19 @@ def main():
         spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": 4}
         llm = LLM(target, **common, speculative_config=spec)
         rows += [measure(llm, b, 4, a.input_len, a.output_len, b) for b in a.draft_batches]
-    print(f"{'batch':>5} {'k':>2} {'TPOT ms':>8} {'tok/s':>8} {'buffers':>8} {'issue ms':>9} {'device ms':>10}")
+        del llm
+    if a.eagle3_batches:
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests"))
+        from eagle_heads import write_eagle3_head
+        head = write_eagle3_head(tempfile.mkdtemp(prefix="eagle3-"), target.config, seed=0, draft_vocab_size=32000,
+                                 head_dim=target.config.head_dim)
+        spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 4}
+        llm = LLM(target, **common, speculative_config=spec)
+        rows += [dict(measure(llm, b, 4, a.input_len, a.output_len, b), drafter="eagle3") for b in a.eagle3_batches]
+    print(f"{'batch':>5} {'k':>2} {'drafter':>8} {'TPOT ms':>8} {'tok/s':>8} {'buffers':>8} {'issue ms':>9} {'device ms':>10}")
     for r in rows:
-        print(f"{r['batch']:>5} {r['k']:>2} {r['tpot_ms']:>8.3f} {r['output_tok_s']:>8.1f} {r['argument_buffers']:>8} "
+        r.setdefault("drafter", "draft" if r["k"] else "-")
+        print(f"{r['batch']:>5} {r['k']:>2} {r['drafter']:>8} {r['tpot_ms']:>8.3f} {r['output_tok_s']:>8.1f} {r['argument_buffers']:>8} "
               f"{r['host_issue_ms']:>9.3f} {r['device_step_ms']:>10.3f}", flush=True)
     if a.json:
         with open(a.json, "w") as f:

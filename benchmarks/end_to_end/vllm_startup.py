@@ -122,29 +122,52 @@ def check_args(p: argparse.ArgumentParser, a):
 
 # ---- model directories -----------------------------------------------------------------------------------
 _HF_ARCH = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),
-            "qwen3": ("Qwen3ForCausalLM", "qwen3")}
+            "qwen3": ("Qwen3ForCausalLM", "qwen3"), "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
+            "gpt_oss": ("GptOssForCausalLM", "gpt_oss")}
 
 
 def hf_config(c) -> dict:
-    """A jaxspec ModelConfig (a dense llama, qwen2 or qwen3) as the config.json of its HF checkpoint (the fields
-    those checkpoints publish, rope as rope_theta + rope_scaling), bf16; ModelConfig.from_hf reads it back."""
-    if c.arch not in _HF_ARCH or c.hybrid or c.moe:
-        raise ValueError(f"no HF config written for architecture {c.arch!r} (dense llama, qwen2, qwen3 only): "
+    """A jaxspec ModelConfig (a preset of KNOWN_SHAPES: dense Llama / Mistral / Qwen2 / Qwen3, Qwen3-MoE, Gemma 3's
+    text model, GPT-OSS) as the config.json of its HF checkpoint (the fields those checkpoints publish), bf16 and
+    unquantized; ModelConfig.from_hf reads it back to `c`."""
+    if c.arch not in _HF_ARCH or c.hybrid:
+        raise ValueError(f"no HF config written for architecture {c.arch!r} (supported: {', '.join(_HF_ARCH)}): "
                          "give an HF directory instead")
     arch, model_type = _HF_ARCH[c.arch]
+    if c.arch == "llama" and c.sliding_window is not None:
+        arch, model_type = "MistralForCausalLM", "mistral"
+    if c.arch == "qwen3" and c.moe:
+        arch, model_type = "Qwen3MoeForCausalLM", "qwen3_moe"
     cfg = {"architectures": [arch], "model_type": model_type, "vocab_size": c.vocab_size,
            "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
            "num_hidden_layers": c.num_layers, "num_attention_heads": c.num_heads,
-           "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim, "hidden_act": "silu",
+           "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim, "hidden_act": c.hidden_act,
            "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta, "rope_scaling": c.rope_scaling_dict,
            "max_position_embeddings": c.max_position_embeddings, "tie_word_embeddings": c.tie_word_embeddings,
            "attention_dropout": 0.0, "initializer_range": 0.02, "use_cache": True, "torch_dtype": "bfloat16"}
-    if c.arch == "llama":
+    if model_type == "llama":
         cfg.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
-    else:   # Qwen2/3 checkpoints: full attention in every layer
+    elif model_type == "mistral":   # the same window on every layer
+        cfg["sliding_window"] = c.sliding_window
+    elif model_type in ("qwen2", "qwen3", "qwen3_moe"):   # full attention in every layer
         cfg.update(use_sliding_window=False, sliding_window=None, max_window_layers=c.num_layers)
-    if c.arch == "qwen3":
+    if model_type in ("qwen3", "qwen3_moe"):
         cfg["attention_bias"] = False
+    if model_type == "qwen3_moe":   # every layer sparse
+        cfg.update(num_experts=c.num_experts, num_experts_per_tok=c.num_experts_per_tok, decoder_sparse_step=1,
+                   moe_intermediate_size=c.moe_intermediate_size, mlp_only_layers=[], norm_topk_prob=c.norm_topk_prob,
+                   output_router_logits=False)
+    if model_type == "gemma3_text":   # local layers: the window and their own rotary base; global ones scaled
+        del cfg["hidden_act"]
+        cfg.update(hidden_activation=c.hidden_act, query_pre_attn_scalar=c.query_pre_attn_scalar,
+                   sliding_window=c.sliding_window, rope_local_base_freq=c.local_rope_theta,
+                   layer_types=["sliding_attention" if s else "full_attention" for s in c.sliding_layers],
+                   attention_bias=False, final_logit_softcapping=None, attn_logit_softcapping=None)
+    if model_type == "gpt_oss":   # alternating windowed and full layers, the experts intermediate_size wide
+        cfg.update(num_local_experts=c.num_experts, num_experts_per_tok=c.num_experts_per_tok,
+                   sliding_window=c.sliding_window, attention_bias=c.attention_bias,
+                   layer_types=["sliding_attention" if s else "full_attention" for s in c.sliding_layers],
+                   swiglu_limit=c.swiglu_limit, output_router_logits=False)
     if c.bos_token_id is not None:
         cfg["bos_token_id"] = c.bos_token_id
     if c.eos_token_ids:
