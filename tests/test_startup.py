@@ -222,3 +222,46 @@ def test_adaptive_k_prefill_runs_a_compiled_width_while_others_compile(target, d
     monkeypatch.setattr(StepPrograms, "__init__", init)
     plain = LLM(target, **ENGINE16, warmup=False).generate(prompts, params, use_tqdm=False)
     assert out[0].token_ids == plain[0].token_ids
+
+
+@pytest.mark.parametrize("error,survives", [("RESOURCE_EXHAUSTED: Not enough PA budget", True),
+                                            ("INTERNAL: ptxas exited with a non-zero status", False)])
+def test_a_tuned_compile_out_of_memory_keeps_the_fast_program(target, monkeypatch, tmp_path, error, survives):  # noqa: F811
+    """The GPU's two tiers, the 8-token bucket's tuned compiles failing as XLA's autotuner did on GPT-OSS-20B's
+    stacked experts (out of device memory): a full warm-up still builds the engine, that bucket runs its fast
+    programs (compiled in its place), the others their tuned ones, no tuned compile of it is tried again, and the
+    tokens are the engine's. Any other compile error still stops the warm-up."""
+    import dataclasses
+
+    import jax
+
+    from jaxspec.nn.ops import Ops
+    monkeypatch.setenv("JAXSPEC_CACHE", str(tmp_path))
+    for_backend = Ops.for_backend
+    monkeypatch.setattr(Ops, "for_backend", staticmethod(
+        lambda *a, **kw: dataclasses.replace(for_backend(*a, **kw), cublas_from_tokens=16)))
+    compile_lowered, attempts = StepPrograms._compile_lowered, []
+
+    def failing(self, key, tier, *rest):
+        if tier == "tuned" and key[0] == 8:
+            attempts.append(key)
+            raise jax.errors.JaxRuntimeError(error)
+        return compile_lowered(self, key, tier, *rest)
+    monkeypatch.setattr(StepPrograms, "_compile_lowered", failing)
+    prompts = [prompt_of(12, 3), prompt_of(4, 4)]
+    params = SamplingParams(temperature=0, max_tokens=5)
+    if not survives:
+        with pytest.raises(RuntimeError, match="ptxas"):
+            LLM(target, **ENGINE16, warmup="full")
+        return
+    with pytest.warns(RuntimeWarning, match="ran out of device memory"):
+        llm = LLM(target, **ENGINE16, warmup="full")
+    programs = llm.engine.runner.programs
+    assert attempts and set(programs.untunable) == set(attempts)
+    assert {programs.tier[k] for k in attempts} == {"fast"}
+    assert {t for k, t in programs.tier.items() if k[0] == 16} == {"tuned"}
+    tokens = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    programs.compile(list(programs.tier), "tuned")          # asked again: nothing tried for the untunable bucket
+    assert len(attempts) == len(set(attempts))
+    plain = LLM(target, **ENGINE16, warmup="none")
+    assert tokens == [o.token_ids for o in plain.generate(prompts, params, use_tqdm=False)]

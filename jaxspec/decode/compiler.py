@@ -12,7 +12,10 @@ So each program has two tiers:
     fast   no autotuning (cuBLAS GEMMs, XLA's heuristic choice): seconds to compile, slower small steps
     tuned  the engine's measured choice (Ops.compiler_options: autotuned Triton GEMMs below 128 tokens)
 Where the two are the same compile (a CPU), there is one. A program's tuned tier replaces its fast one when it
-lands; a step always runs the best tier compiled so far. Programs are keyed by (token bucket, variant, the shapes
+lands; a step always runs the best tier compiled so far. A tuned compile that XLA cannot finish for lack of memory
+(its autotuner sizes a buffer for every operand of a fusion: a stacked weight of tens of GB, H100, GPT-OSS-20B's
+experts, docs/lab/2026-11-27-moe-kernel.md) leaves that program at its fast tier, with a warning, instead of
+stopping the engine. Programs are keyed by (token bucket, variant, the shapes
 of the grammar table a grammar variant reads). On a GPU every compiled program is also kept in a ProgramStore, from
 which the next engine of the same fingerprint loads it without tracing, lowering or compiling.
 """
@@ -24,11 +27,18 @@ import os
 import pathlib
 import threading
 import time
+import warnings
 import weakref
 from typing import Callable
 
 FAST, TUNED = "fast", "tuned"
 _RANK = {FAST: 0, TUNED: 1}
+
+
+def out_of_memory(error: BaseException) -> bool:
+    """Whether a compile failed for lack of device memory (XLA's RESOURCE_EXHAUSTED), not for a fault in the
+    program."""
+    return isinstance(error, RuntimeError) and "RESOURCE_EXHAUSTED" in str(error)
 _CACHE_HIT = "/jax/compilation_cache/cache_hits"   # JAX's event: a compile loaded from its persistent cache
 _hits = threading.local()   # cache hits seen on this thread (compiles run on the thread that asks for them)
 _listening = False
@@ -171,6 +181,7 @@ class StepPrograms:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self.failure: BaseException | None = None   # what stopped the background compiles
+        self.untunable: dict[tuple, str] = {}   # key -> why its tuned compile failed: it stays at its fast tier
         self.store: ProgramStore | None = None   # set where compiled programs are kept on disk (store_wanted)
         # Called on the compiling thread before each compile with (key, tier): tests hold a compile back with it.
         self.before_compile: Callable[[tuple, str], None] | None = None
@@ -205,8 +216,11 @@ class StepPrograms:
         self._run_jobs([(key, tier) for key in keys], grammar_spec, parallel, desc)
 
     def _tier_of(self, key, tier: str | None) -> str:
-        """The tier a job compiles at: `tier` where the bucket has it, else (None, or one tier only) its best."""
+        """The tier a job compiles at: `tier` where the bucket has it, else (None, or one tier only) its best; fast
+        for a program whose tuned compile ran out of memory."""
         tiers = self.tiers(key[0])
+        if key in self.untunable and FAST in tiers:
+            return FAST
         return tier if tier in tiers else tiers[-1]
 
     def _run_jobs(self, jobs, grammar_spec, parallel: bool, desc: str | None):
@@ -234,9 +248,24 @@ class StepPrograms:
             if self._stop.is_set():
                 return
             if not self.ready(key, tier):
-                self._compile_lowered(key, tier, *self._lower(key, tier, grammar_spec))
+                try:
+                    self._compile_lowered(key, tier, *self._lower(key, tier, grammar_spec))
+                except RuntimeError as e:
+                    if tier != TUNED or FAST not in self.tiers(key[0]) or not out_of_memory(e):
+                        raise
+                    self._keep_fast(key, e, grammar_spec)
             bar.update()
         bar.close()
+
+    def _keep_fast(self, key, error: BaseException, grammar_spec):
+        """`key`'s tuned compile ran out of device memory: it runs its fast program from now on (compiled here if it
+        has none yet), and no tuned compile of it is tried again."""
+        reason = str(error).strip().splitlines()[0][:300]
+        self.untunable[key] = reason
+        warnings.warn(f"the tuned compile of the {key[0]}-token step ({key[1].name()}) ran out of device memory "
+                      f"({reason}); that step runs its fast program (no autotuning)", RuntimeWarning, stacklevel=2)
+        if not self.ready(key, FAST):
+            self._compile_lowered(key, FAST, *self._lower(key, FAST, grammar_spec))
 
     def _load_stored(self, jobs, bar) -> list:
         """Loads the jobs the store has (in parallel: loading copies each program to the device), and returns the
