@@ -42,3 +42,18 @@ def test_equals_ragged_dot_on_each_layer_of_the_stack(group_sizes, dtype):
         scale = float(jnp.max(jnp.abs(want)))
         # float32: rounding of 32-term sums; bf16 operands give exact products, the sums in float32 either way
         assert float(jnp.max(jnp.abs(got - want))) <= 1e-5 * scale, (layer, group_sizes)
+
+
+def test_fp8_experts_equal_the_scaled_ragged_dot():
+    """e4m3 experts with per-channel scales (W8A16): the kernel against jaxspec.nn.quant.fp8_ragged_dot."""
+    from jaxspec.nn import quant
+    rng = np.random.default_rng(7)
+    L, E, K, N = 2, 4, 32, 48
+    gs = jnp.asarray([5, 0, 9, 2], jnp.int32)
+    w = jnp.asarray(rng.standard_normal((L, E, K, N)), jnp.float32).astype(jnp.float8_e4m3fn)
+    scale = jnp.asarray(rng.uniform(0.5, 2.0, (L, E, N)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((16, K)), jnp.bfloat16)
+    for layer in range(L):
+        got = grouped_matmul(x, w, jnp.int32(layer), gs, scale, tiling=TILING, out_dtype=jnp.float32)
+        want = quant.fp8_ragged_dot(x, w[layer], scale[layer], gs, out_dtype=jnp.float32)
+        assert float(jnp.max(jnp.abs(got - want))) <= 1e-5 * float(jnp.max(jnp.abs(want))), layer

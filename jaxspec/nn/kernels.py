@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jaxspec.pallas import paged_attention as pa   # attributes read at call time (NUM_SPLITS, kernels set for a run)
 from jaxspec.pallas.delta_rule import CHUNK, delta_rule_chunked, delta_rule_recurrent
 from jaxspec.pallas import grouped_matmul as gm
-from jaxspec.pallas.gemv import gemv, tiling_for
+from jaxspec.pallas.gemv import gemv, needs_packing, tiling_for
 
 
 class LayerWeights(dict):
@@ -85,14 +85,18 @@ def gemv_matmul(x, lp, name: str):
 
 def grouped_linear(x, lp, name: str, group_sizes, out_dtype=None):
     """`Ops.linear` of the experts over the grouped-matmul kernel (jaxspec.pallas.grouped_matmul): x [R, K], rows
-    sorted by expert, against lp[name] [E, K, N] (gate/up pairs [E, K, F, 2], read as [E, K, 2F]) -> [R, N], only
-    the experts rows were routed to read. None where no tiling divides the weight: the caller uses ragged_dot."""
+    sorted by expert, against lp[name] [E, K, N] (gate/up pairs [E, K, F, 2], read as [E, K, 2F]; FP8 with their
+    per-channel scales) -> [R, N], only the experts rows were routed to read. None where no tiling divides the
+    weight, or an FP8 stack the Triton lowering cannot index: the caller uses ragged_dot."""
     w, layer = stacked(lp, name)
     w = w.reshape(*w.shape[:3], -1)      # [L, E, K, N] (pairs' gate and up columns interleaved: a bitcast)
+    scale = _scales(lp, name)            # FP8 experts: per output channel, [L, E, N]
+    if scale is not None:
+        scale = scale.reshape(*w.shape[:2], -1)
     tiling = gm.tiling_for(w.shape[-1], x.shape[1])
-    if tiling is None:
+    if tiling is None or needs_packing(w):   # (1-byte stacks of 2^31+ elements under 4 GiB: gemv's fault)
         return None
-    return gm.grouped_matmul(x, w, layer, group_sizes, tiling=tiling, out_dtype=out_dtype)
+    return gm.grouped_matmul(x, w, layer, group_sizes, scale, tiling=tiling, out_dtype=out_dtype)
 
 
 def _scales(lp, name: str):

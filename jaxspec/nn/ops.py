@@ -276,7 +276,7 @@ class Ops:
     fp8_gemv: str = "plain"
     # The experts' grouped matmul (MoE layers): "pallas" (jaxspec.pallas.grouped_matmul: only the experts rows were
     # routed to are read) or "xla" (jax.lax.ragged_dot, which XLA lowers on a GPU to a product with every expert).
-    # On a GPU the kernel by default (one device, bf16/f32 experts); JAXSPEC_GROUPED_MATMUL=xla for measuring.
+    # On a GPU the kernel by default (one device; bf16, f32 or FP8 experts); JAXSPEC_GROUPED_MATMUL=xla to compare.
     grouped_matmul: str = "xla"
 
     def use_gemv(self, num_tokens: int) -> bool:
@@ -318,7 +318,7 @@ class Ops:
         if group_sizes is not None:
             pairs = w.ndim == 4
             w = w.reshape(*w.shape[:2], -1)     # [E, K, N] (pairs: gate and up columns interleaved)
-            kernel = self.grouped_matmul == "pallas" and self.tp is None and scale is None and x.ndim == 2
+            kernel = self.grouped_matmul == "pallas" and self.tp is None and x.ndim == 2
             y = kernels.grouped_linear(x, lp, name, group_sizes, out_dtype) if kernel else None   # None: no tiling
             if y is None and scale is not None:   # FP8 experts: each expert's per-output-channel scales [E, N], W8A16
                 y = quant.fp8_ragged_dot(x, w, scale.reshape(w.shape[0], -1), group_sizes, out_dtype=out_dtype)

@@ -3,6 +3,8 @@
     y [R, N] = x [R, K] @ W[layer, e(r)] [K, N]     rows sorted by expert: the first group_sizes[0] rows go to
                                                      expert 0, the next group_sizes[1] to expert 1, ...
                                                      (W stacked [L, E, K, N], read in place)
+      FP8       W in e4m3, converted to x's dtype tile by tile, each output column's sum times its expert's
+                scale [L, E, N] (W8A16, as jaxspec.nn.quant.fp8_ragged_dot)
 
 XLA lowers `jax.lax.ragged_dot` on a GPU to a dense product of every row with every expert ([R, E, N], then the
 row's own expert selected): each step reads all E experts' weights, whatever the routing. A decode step of one
@@ -61,7 +63,8 @@ def tile_table(group_sizes, num_rows: int, block_m: int):
     return expert, jnp.where(used, start, 0), jnp.where(used, end, 0)
 
 
-def _kernel(expert_ref, start_ref, end_ref, layer_ref, x_ref, w_ref, o_ref, *, K: int, tiling: Tiling):
+def _kernel(expert_ref, start_ref, end_ref, layer_ref, x_ref, w_ref, *refs, K: int, tiling: Tiling, scaled: bool):
+    scale_ref, o_ref = refs if scaled else (None, *refs)
     bm, bn, bk = tiling.block_m, tiling.block_n, tiling.block_k
     t, n = pl.program_id(0), pl.program_id(1)
     start, end, e, layer = start_ref[t], end_ref[t], expert_ref[t], layer_ref[0]
@@ -81,6 +84,8 @@ def _kernel(expert_ref, start_ref, end_ref, layer_ref, x_ref, w_ref, o_ref, *, K
                                              precision=precision)
 
         acc = jax.lax.fori_loop(0, K // bk, step, jnp.zeros((bm, bn), jnp.float32))
+        if scaled:
+            acc = acc * scale_ref[layer, e, pl.ds(n0, bn)][None, :]
         out_ok = start + jax.lax.broadcasted_iota(jnp.int32, (bm, bn), 0) < end
         plgpu.store(o_ref.at[pl.ds(start, bm), pl.ds(n0, bn)], acc.astype(o_ref.dtype), mask=out_ok)
 
@@ -98,11 +103,12 @@ def tiling_for(N: int, K: int) -> Tiling | None:
 
 
 @functools.partial(jax.jit, static_argnames=("tiling", "out_dtype", "interpret"))
-def grouped_matmul(x, w, layer, group_sizes, *, tiling: Tiling = Tiling(), out_dtype=None,
+def grouped_matmul(x, w, layer, group_sizes, scale=None, *, tiling: Tiling = Tiling(), out_dtype=None,
                    interpret: bool | None = None):
     """x [R, K] with its rows sorted by expert, w [L, E, K, N], layer: i32 scalar, group_sizes i32[E] (rows per
     expert, summing to R) -> [R, N] in out_dtype (None: x's dtype), float32 accumulation; as
-    `jax.lax.ragged_dot(x, w[layer], group_sizes)`."""
+    `jax.lax.ragged_dot(x, w[layer], group_sizes)`. scale f32[L, E, N]: w holds FP8 values, each expert's output
+    column scaled by its own scale."""
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     R, K = x.shape
@@ -119,10 +125,14 @@ def grouped_matmul(x, w, layer, group_sizes, *, tiling: Tiling = Tiling(), out_d
     xp = jnp.pad(x, ((0, bm), (0, 0)))
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     args = [expert, start, end, jnp.reshape(layer, (1,)).astype(jnp.int32), xp, w]
+    if scale is not None:
+        if scale.shape != (L, E, N):
+            raise ValueError(f"scale {scale.shape} does not match the weight {w.shape}: expected [L, E, N]")
+        args.append(scale.astype(jnp.float32))
     whole = lambda a: pl.BlockSpec(a.shape, lambda t, n: (0,) * a.ndim)  # noqa: E731
     params = {} if interpret else dict(compiler_params=plgpu.CompilerParams(
         num_warps=tiling.num_warps, num_stages=tiling.num_stages))
-    out = pl.pallas_call(functools.partial(_kernel, K=K, tiling=tiling),
+    out = pl.pallas_call(functools.partial(_kernel, K=K, tiling=tiling, scaled=scale is not None),
                          grid=(expert.shape[0], N // tiling.block_n), in_specs=[whole(a) for a in args],
                          out_specs=pl.BlockSpec((R + bm, N), lambda t, n: (0, 0)),
                          out_shape=jax.ShapeDtypeStruct((R + bm, N), out_dtype), interpret=interpret,
