@@ -2,6 +2,14 @@
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One thread for the math libraries of the references (torch's OpenMP and MKL, numpy's OpenBLAS): their threads
+# wait for each other at every operation, and the suite runs beside another busy process (CI's second xdist
+# worker), whose core a second thread waits for. With a busy-looping process beside it, transformers' greedy
+# generate of tests/test_engine.py took ~10x the time with two threads; alone, one thread costs ~1.2x on the
+# same calls. (XLA's CPU runtime has its own thread pool, which these variables leave as it is.) Set before any
+# of them is imported, and inherited by the xdist workers and subprocesses.
+for _threads in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+    os.environ.setdefault(_threads, "1")
 # Four CPU devices for the tensor-parallel tests (everything else runs on the first).
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
@@ -289,10 +297,14 @@ def transformers_from_gguf(path):
     """transformers' own float32 load of a GGUF file (the reference implementation), with two of its repeated
     pure computations done once: it reads the file's metadata twice (config, then tensors; every tokenizer string
     becomes a numpy view, tens of seconds for a large vocabulary) and builds the same tensor-name map once per
-    module. The same reader and map are used; what it loads is unchanged."""
+    module. The reader reads the file's bytes through a plain ndarray over its np.memmap (the same mapping): each
+    of those views of a memmap runs its Python-level __getitem__ and __array_finalize__, ~2/3 of the reader's time
+    (Qwen2.5's 151k-token vocabulary: ~7 s against ~2.4 s). The same reader and map are used; what it loads is
+    unchanged."""
     import functools
     from pathlib import Path
     import gguf
+    import numpy as np
     import torch
     import transformers
     path = Path(path)
@@ -300,6 +312,10 @@ def transformers_from_gguf(path):
     real_reader, real_map = gguf.GGUFReader, gguf.get_tensor_name_map
 
     class OnceReader(real_reader):
+        # GGUFReader.__init__ sets self.data = np.memmap(file): kept as a plain ndarray view of it
+        data = property(lambda self: self.__dict__["data"],
+                        lambda self, value: self.__dict__.__setitem__("data", value.view(np.ndarray)))
+
         def __new__(cls, file, *args, **kwargs):
             if str(file) not in readers:
                 readers[str(file)] = reader = super().__new__(cls)
