@@ -4,6 +4,7 @@
 #   jaxspec MODEL   bench_core.py: TPOT, output tok/s and the replayed device step, plain and with a random EAGLE-3
 #                   head at k = 4 (the speculative step's cost; random drafts are rejected)
 #   vllm MODEL      vLLM 0.26 (benchmarks/vllm_wheels_026.sh's set installed to /tmp/vllm-site) on the same workload
+#                   (DUMMY_RANGE=A: its dummy weights uniform in [-A, A], see vllm_batches.py)
 #                   (vllm_batches.py), load_format dummy, from the preset's config.json (vllm_startup.py's hf_config)
 #   MODEL: gemma-3-12b, gpt-oss-20b, qwen3-30b-a3b, mistral-7b, gemma-3-4b
 #   bash benchmarks/end_to_end/families_gpu.sh OUTDIR PART MODEL
@@ -16,6 +17,7 @@ if [ "$PART" = jaxspec ]; then
 fi
 if [ "$PART" = vllm ]; then
   CFG=$(PYTHONPATH=$PWD python3 -c "import sys; sys.path.insert(0, 'benchmarks/end_to_end'); import vllm_startup; print(vllm_startup.model_dir('$MODEL', '/tmp/vllm-configs'))")
-  t "vllm_$MODEL" ${TIMEOUT:-540} env PYTHONPATH=/tmp/vllm-site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 python3 \
-    benchmarks/end_to_end/vllm_batches.py "$CFG" "$OUT/vllm_$MODEL.json" --dummy --gpu-memory-utilization ${GPU_UTIL:-0.9}
+  t "vllm_$MODEL${DUMMY_RANGE:+_range$DUMMY_RANGE}" ${TIMEOUT:-540} env PYTHONPATH=/tmp/vllm-site:/tmp/vllm-site/nvidia_cutlass_dsl/dsl_packages:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 python3 \
+    benchmarks/end_to_end/vllm_batches.py "$CFG" "$OUT/vllm_$MODEL${DUMMY_RANGE:+_range$DUMMY_RANGE}.json" --dummy \
+    --gpu-memory-utilization ${GPU_UTIL:-0.9} ${DUMMY_RANGE:+--dummy-range $DUMMY_RANGE}
 fi

@@ -159,7 +159,7 @@ def hf_config(c) -> dict:
                    output_router_logits=False)
     if model_type == "gemma3_text":   # local layers: the window and their own rotary base; global ones scaled
         del cfg["hidden_act"]
-        cfg.update(hidden_activation=c.hidden_act, query_pre_attn_scalar=c.query_pre_attn_scalar,
+        cfg.update(hidden_activation=c.hidden_act, query_pre_attn_scalar=int(c.query_pre_attn_scalar),
                    sliding_window=c.sliding_window, rope_local_base_freq=c.local_rope_theta,
                    layer_types=["sliding_attention" if s else "full_attention" for s in c.sliding_layers],
                    attention_bias=False, final_logit_softcapping=None, attn_logit_softcapping=None)

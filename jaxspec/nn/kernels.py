@@ -93,7 +93,7 @@ def grouped_linear(x, lp, name: str, group_sizes, out_dtype=None):
     scale = _scales(lp, name)            # FP8 experts: per output channel, [L, E, N]
     if scale is not None:
         scale = scale.reshape(*w.shape[:2], -1)
-    tiling = gm.tiling_for(w.shape[-1], x.shape[1])
+    tiling = gm.tiling_for(w.shape[-1], x.shape[1], x.shape[0], w.shape[1])
     if tiling is None or needs_packing(w):   # (1-byte stacks of 2^31+ elements under 4 GiB: gemv's fault)
         return None
     return gm.grouped_matmul(x, w, layer, group_sizes, scale, tiling=tiling, out_dtype=out_dtype)

@@ -132,7 +132,8 @@ def fp8_ragged_dot(x, w, scale, group_sizes, *, out_dtype=None):
     out_dtype = x.dtype if out_dtype is None else out_dtype
     y = jax.lax.ragged_dot(x, w.astype(x.dtype), group_sizes, preferred_element_type=jnp.float32)
     ends = jnp.cumsum(group_sizes)
-    expert = jnp.minimum(jnp.searchsorted(ends, jnp.arange(x.shape[0]), side="right"), w.shape[0] - 1)   # [M]
+    rows = jnp.arange(x.shape[0])
+    expert = jnp.minimum(jnp.searchsorted(ends, rows, side="right", method="compare_all"), w.shape[0] - 1)   # [M]
     return (y * scale[expert]).astype(out_dtype)
 
 

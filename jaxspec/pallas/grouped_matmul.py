@@ -16,7 +16,9 @@ the group sizes: no host round-trip), and one program owns a (tile, block of `bl
 walks K `block_k` at a time, reading its expert's [block_k, block_n] weight tiles and its rows' x. An expert with
 no rows has no tile and is never read; one with more than block_m rows is read once per tile. The grid is sized
 for the worst case (ceil(R / block_m) + min(E, R) tiles); the programs of tiles past the last used one return at
-once.
+once. A decode step has few rows (one token: k tiles of one row each), too few (tile, column block) programs to
+keep every SM streaming; `splits` > 1 then also cuts K into that many parts, each program summing one part into a
+float32 partial [splits, R, N] that one small fusion adds up.
 """
 from __future__ import annotations
 
@@ -31,12 +33,14 @@ from jax.experimental.pallas import triton as plgpu
 
 @dataclasses.dataclass(frozen=True)
 class Tiling:
-    """Rows per tile (one expert's), output columns and K per loop iteration, Triton's warps and stages."""
+    """Rows per tile (one expert's), output columns and K per loop iteration, Triton's warps and stages, and the
+    parts K is split into (each its own program)."""
     block_m: int = 16
     block_n: int = 64
     block_k: int = 64
     num_warps: int = 4
     num_stages: int = 3
+    splits: int = 1
 
 
 def max_tiles(num_rows: int, num_experts: int, block_m: int) -> int:
@@ -55,7 +59,9 @@ def tile_table(group_sizes, num_rows: int, block_m: int):
     tiles = (group_sizes + block_m - 1) // block_m                          # [E]: 0 for an empty group
     tile_end = jnp.cumsum(tiles)
     t = jnp.arange(n, dtype=jnp.int32)
-    expert = jnp.minimum(jnp.searchsorted(tile_end, t, side="right"), E - 1).astype(jnp.int32)
+    # compare_all: one fused [n, E] comparison; the default binary search is a while loop of ~log2(E) iterations,
+    # each a few kernels and a host round-trip on a GPU (~0.2 ms a layer in GPT-OSS-20B's decode step)
+    expert = jnp.minimum(jnp.searchsorted(tile_end, t, side="right", method="compare_all"), E - 1).astype(jnp.int32)
     first = tile_end[expert] - tiles[expert]                                 # the expert's first tile
     start = group_start[expert] + (t - first) * block_m
     end = jnp.minimum(start + block_m, group_end[expert])
@@ -66,9 +72,10 @@ def tile_table(group_sizes, num_rows: int, block_m: int):
 def _kernel(expert_ref, start_ref, end_ref, layer_ref, x_ref, w_ref, *refs, K: int, tiling: Tiling, scaled: bool):
     scale_ref, o_ref = refs if scaled else (None, *refs)
     bm, bn, bk = tiling.block_m, tiling.block_n, tiling.block_k
-    t, n = pl.program_id(0), pl.program_id(1)
+    t, n, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     start, end, e, layer = start_ref[t], end_ref[t], expert_ref[t], layer_ref[0]
-    n0 = n * bn
+    n0, part = n * bn, -(-(K // bk) // tiling.splits)          # K steps of each split (the last may have fewer)
+    first, last = split * part, jnp.minimum((split + 1) * part, K // bk)
     # float32 operands get float32 products (Triton's default for them is TF32)
     precision = jax.lax.Precision.HIGHEST if x_ref.dtype == jnp.float32 else None
 
@@ -83,23 +90,34 @@ def _kernel(expert_ref, start_ref, end_ref, layer_ref, x_ref, w_ref, *refs, K: i
             return acc + jax.lax.dot_general(x, w, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32,
                                              precision=precision)
 
-        acc = jax.lax.fori_loop(0, K // bk, step, jnp.zeros((bm, bn), jnp.float32))
+        acc = jax.lax.fori_loop(first, jnp.maximum(last, first), step, jnp.zeros((bm, bn), jnp.float32))
         if scaled:
             acc = acc * scale_ref[layer, e, pl.ds(n0, bn)][None, :]
         out_ok = start + jax.lax.broadcasted_iota(jnp.int32, (bm, bn), 0) < end
-        plgpu.store(o_ref.at[pl.ds(start, bm), pl.ds(n0, bn)], acc.astype(o_ref.dtype), mask=out_ok)
+        plgpu.store(o_ref.at[split, pl.ds(start, bm), pl.ds(n0, bn)], acc.astype(o_ref.dtype), mask=out_ok)
 
 
 def _largest_dividing(n: int, options) -> int | None:
     return next((o for o in options if n % o == 0), None)
 
 
-def tiling_for(N: int, K: int) -> Tiling | None:
+def tiling_for(N: int, K: int, num_rows: int | None = None, num_experts: int | None = None,
+               num_sms: int = 132) -> Tiling | None:
     """The tiling measured fastest on an H100 (GPT-OSS-20B's experts, 1 to 160 tokens: benchmarks/kernels/
     bench_grouped_matmul.py --sweep, docs/lab/2026-11-27-moe-kernel.md): the widest column block and K step that
-    divide the weight's [K, N], 4 warps, 4 stages; None where none divides it (the caller keeps XLA's ragged_dot)."""
+    divide the weight's [K, N], 4 warps, 4 stages; None where none divides it (the caller keeps XLA's ragged_dot).
+    Given the rows and experts, K is split (1, 2, 4 or 8 parts) until the programs of the tiles a routing of that
+    many rows is expected to use (one per routed expert, min(rows, experts), or one per block_m rows) fill the SMs
+    twice over."""
     bn, bk = _largest_dividing(N, (128, 64, 32, 16)), _largest_dividing(K, (64, 32, 16))
-    return None if bn is None or bk is None else Tiling(block_n=bn, block_k=bk, num_stages=4)
+    if bn is None or bk is None:
+        return None
+    splits = 1
+    if num_rows is not None and num_experts is not None:
+        tiles = max(min(num_rows, num_experts), -(-num_rows // Tiling.block_m))
+        while splits < 8 and tiles * (N // bn) * splits < 2 * num_sms and 2 * splits <= K // bk:
+            splits *= 2
+    return Tiling(block_n=bn, block_k=bk, num_stages=4, splits=splits)
 
 
 @functools.partial(jax.jit, static_argnames=("tiling", "out_dtype", "interpret"))
@@ -116,8 +134,9 @@ def grouped_matmul(x, w, layer, group_sizes, scale=None, *, tiling: Tiling = Til
     if Kw != K or group_sizes.shape != (E,):
         raise ValueError(f"x {x.shape}, w {w.shape} and group_sizes {group_sizes.shape} disagree: expected x [R, K], "
                          f"w [L, E, K, N], group_sizes [E]")
-    if N % tiling.block_n or K % tiling.block_k:
-        raise ValueError(f"tiling {tiling} does not divide N={N}, K={K}")
+    if N % tiling.block_n or K % tiling.block_k or not 1 <= tiling.splits <= K // tiling.block_k:
+        raise ValueError(f"tiling {tiling} does not fit N={N}, K={K}: block_n and block_k must divide them, and "
+                         f"splits be 1 to K / block_k")
     bm = tiling.block_m
     expert, start, end = tile_table(group_sizes, R, bm)
     # rows padded by one tile, so that a tile's block of rows never runs past the arrays (the interpreter clamps a
@@ -129,12 +148,14 @@ def grouped_matmul(x, w, layer, group_sizes, scale=None, *, tiling: Tiling = Til
         if scale.shape != (L, E, N):
             raise ValueError(f"scale {scale.shape} does not match the weight {w.shape}: expected [L, E, N]")
         args.append(scale.astype(jnp.float32))
-    whole = lambda a: pl.BlockSpec(a.shape, lambda t, n: (0,) * a.ndim)  # noqa: E731
     params = {} if interpret else dict(compiler_params=plgpu.CompilerParams(
         num_warps=tiling.num_warps, num_stages=tiling.num_stages))
+    S = tiling.splits
+    part_dtype = out_dtype if S == 1 else jnp.dtype(jnp.float32)
+    whole = lambda a: pl.BlockSpec(a.shape, lambda t, n, s: (0,) * a.ndim)  # noqa: E731
     out = pl.pallas_call(functools.partial(_kernel, K=K, tiling=tiling, scaled=scale is not None),
-                         grid=(expert.shape[0], N // tiling.block_n), in_specs=[whole(a) for a in args],
-                         out_specs=pl.BlockSpec((R + bm, N), lambda t, n: (0, 0)),
-                         out_shape=jax.ShapeDtypeStruct((R + bm, N), out_dtype), interpret=interpret,
+                         grid=(expert.shape[0], N // tiling.block_n, S), in_specs=[whole(a) for a in args],
+                         out_specs=pl.BlockSpec((S, R + bm, N), lambda t, n, s: (0, 0, 0)),
+                         out_shape=jax.ShapeDtypeStruct((S, R + bm, N), part_dtype), interpret=interpret,
                          name="grouped_matmul", **params)(*args)
-    return out[:R]
+    return out[0, :R] if S == 1 else out[:, :R].sum(0).astype(out_dtype)
