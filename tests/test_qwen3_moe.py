@@ -104,3 +104,31 @@ def test_ngram_speculation_is_lossless_and_async_equals_sync(checkpoint):
         s = llm.stats()["spec"]
         counts[mode] = (s["draft_tokens"], s["accepted_tokens"])
     assert counts[True] == counts[False] and counts[True][0] > 0, counts
+
+
+@pytest.mark.parametrize("grouped_matmul", ["xla", "pallas"])
+def test_tokens_not_routed_cost_no_expert_and_keep_their_input(checkpoint, grouped_matmul):
+    """A step's padding tokens (writes_state false) are routed to no expert: the experts' groups count only the
+    routed tokens' pairs (so the grouped matmul reads no expert for padding), the routed tokens' outputs are those
+    of routing every token, and the others get their input back (finite, though their rows of the grouped matmul
+    are never written)."""
+    import dataclasses
+
+    import jax.numpy as jnp
+
+    from jaxspec.nn.layers import moe, route_by_expert
+    from jaxspec.nn.ops import Ops
+    path, _, _, _ = checkpoint
+    model = load_model(path, dtype="float32")
+    c = model.config
+    lp = {name: w[0] for name, w in model.params["layers"]["attention_moe"].items()}
+    ops = dataclasses.replace(Ops.for_backend(block_size=4), grouped_matmul=grouped_matmul)
+    h = jnp.asarray(np.random.default_rng(3).standard_normal((8, c.hidden_size)), jnp.float32)
+    routed = jnp.asarray([True, False, True, True, False, False, True, False])
+    top_e = jnp.asarray(np.random.default_rng(4).integers(0, c.num_experts, (8, c.num_experts_per_tok)))
+    assert int(route_by_expert(top_e, c.num_experts, routed).group_sizes.sum()) == 4 * c.num_experts_per_tok
+    every = np.asarray(moe(c, ops, lp, h))
+    some = np.asarray(moe(c, ops, lp, h, routed))
+    r = np.asarray(routed)
+    np.testing.assert_allclose(some[r], every[r], rtol=0, atol=1e-6)
+    assert (some[~r] == np.asarray(h)[~r]).all() and not np.allclose(every[~r], np.asarray(h)[~r])

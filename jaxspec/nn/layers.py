@@ -231,7 +231,7 @@ class AttentionMoE(Attention):
         qkv = ops.linear(h, lp, "qkv_proj", norm="attn_norm", eps=c.rms_norm_eps)
         out, state = attend_qkv(c, ops, lp, qkv, state, i, batch)
         h = ops.linear(out.astype(h.dtype), lp, "o_proj", residual=h)
-        return moe(c, ops, lp, h), state
+        return moe(c, ops, lp, h, batch.writes_state), state
 
 
 # ---- Gemma 3: four norms a layer, local and global attention --------------------------------------------------
@@ -317,15 +317,15 @@ def clamped_swiglu(gate_up, alpha: float, limit: float):
     return (up + 1) * (gate * jax.nn.sigmoid(gate * alpha))
 
 
-def gpt_oss_moe(c, ops: Ops, lp, h):
+def gpt_oss_moe(c, ops: Ops, lp, h, routed=None):
     """h + MoE(normed h), GPT-OSS's: the router's k largest logits per token (bias added), softmax over those k;
     each chosen expert's gate/up (+ bias), clamped SwiGLU, down (+ bias), weighted and summed per token. The pairs
-    sorted by expert, one grouped matmul per projection (as `moe`)."""
+    sorted by expert, one grouped matmul per projection (as `moe`); tokens not `routed` get h back."""
     x = rms_norm(h, lp["mlp_norm"], c.rms_norm_eps)
     logits = ops.linear(x, lp, "router").astype(jnp.float32) + lp["router_bias"].astype(jnp.float32)   # [T, E]
     top_logits, top_e = jax.lax.top_k(logits, c.num_experts_per_tok)                                 # [T, k]
     top_w = jax.nn.softmax(top_logits, axis=-1)
-    routes = route_by_expert(top_e, c.num_experts)
+    routes = route_by_expert(top_e, c.num_experts, routed)
     gate_up = ops.linear(x[routes.token], lp, "experts_gate_up_proj", group_sizes=routes.group_sizes)
     gate_up = gate_up + lp["experts_gate_up_bias"][routes.expert].astype(gate_up.dtype)          # [T*k, 2F]
     act = clamped_swiglu(gate_up, c.swiglu_alpha, c.swiglu_limit).astype(x.dtype)
@@ -355,7 +355,7 @@ class GptOss:
         if "o_bias" in lp:
             h = h + lp["o_bias"].astype(h.dtype)
         h = ops.linear(out.astype(h.dtype), lp, "o_proj", residual=h)
-        return gpt_oss_moe(c, ops, lp, h), state
+        return gpt_oss_moe(c, ops, lp, h, batch.writes_state), state
 
 
 # ---- hybrids: Qwen3-Next and Qwen3.5 (Gated DeltaNet + gated full attention, dense MLP or MoE) ---------------
@@ -365,8 +365,8 @@ def ffn_params(c) -> dict[str, Spec]:
     return moe_params(c) if c.moe else mlp_params(c)
 
 
-def ffn(c, ops: Ops, lp, h):
-    return moe(c, ops, lp, h) if c.moe else mlp(c, ops, lp, h)
+def ffn(c, ops: Ops, lp, h, routed=None):
+    return moe(c, ops, lp, h, routed) if c.moe else mlp(c, ops, lp, h)
 
 
 def moe_params(c) -> dict[str, Spec]:
@@ -384,20 +384,22 @@ def moe_params(c) -> dict[str, Spec]:
     return p
 
 
-def moe(c, ops: Ops, lp, h):
+def moe(c, ops: Ops, lp, h, routed=None):
     """h + MoE(normed h): softmax router, top-k experts per token (weights renormalised when norm_topk_prob),
     each token's k (token, expert) pairs sorted by expert and run as one grouped matmul (`Ops.linear` with the
-    experts' group sizes: `jax.lax.ragged_dot`), no per-expert loop; plus sigmoid(shared_gate . x) * shared expert."""
+    experts' group sizes), no per-expert loop; plus sigmoid(shared_gate . x) * shared expert. routed: bool[T], the
+    tokens whose output is read (None: all); the others (a step's padding) are routed to no expert, so that
+    they cost no expert's weights, and get h back."""
     x = rms_norm(h, lp["mlp_norm"], c.rms_norm_eps)
     probs = jax.nn.softmax(ops.linear(x, lp, "router").astype(jnp.float32), axis=-1)   # [T, E]
     top_w, top_e = jax.lax.top_k(probs, c.num_experts_per_tok)                          # [T, k]
     if c.norm_topk_prob:
         top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)
-    routes = route_by_expert(top_e, c.num_experts)
+    routes = route_by_expert(top_e, c.num_experts, routed)
     act = ops.linear(x[routes.token], lp, "experts_gate_up", group_sizes=routes.group_sizes)   # [T*k, F]
     out = ops.linear(act.astype(x.dtype), lp, "experts_down", group_sizes=routes.group_sizes)  # [T*k, D]
     y = routes.combine(out, top_w, h.shape[0])
-    if "shared_gate_up" in lp:
+    if "shared_gate_up" in lp:   # (the shared expert is dense: every token's row is computed anyway)
         shared = ops.linear(ops.linear(x, lp, "shared_gate_up"), lp, "shared_down")
         y = y + jax.nn.sigmoid(ops.linear(x, lp, "shared_gate")) * shared
     return h + y.astype(h.dtype)
@@ -406,7 +408,8 @@ def moe(c, ops: Ops, lp, h):
 class ExpertRoutes(NamedTuple):
     """Each token's k (token, expert) pairs sorted by expert, as the grouped matmul reads them: pair j belongs to
     token `token[j]` and expert `expert[j]`, at `order[j]` in the flat [T*k] choices; `group_sizes` [E] counts
-    each expert's pairs."""
+    each expert's pairs. The pairs of tokens not routed come last, counted by no group (expert E): the grouped
+    matmul leaves their rows unwritten and `combine` drops them."""
     order: jax.Array
     token: jax.Array
     expert: jax.Array
@@ -415,13 +418,17 @@ class ExpertRoutes(NamedTuple):
     def combine(self, out, top_w, num_tokens: int):
         """The pairs' outputs [T*k, D] weighted by their routing weights top_w [T, k], summed per token: [T, D]."""
         out = out * top_w.reshape(-1)[self.order][:, None].astype(out.dtype)
+        out = jnp.where((self.expert < self.group_sizes.shape[0])[:, None], out, 0)   # (where: their rows may be NaN)
         return jnp.zeros((num_tokens, out.shape[-1]), out.dtype).at[self.token].add(out)
 
 
-def route_by_expert(top_e, num_experts: int) -> ExpertRoutes:
+def route_by_expert(top_e, num_experts: int, routed=None) -> ExpertRoutes:
     """top_e i32[T, k] (each token's chosen experts) -> the pairs grouped by expert (a stable sort: no per-expert
-    loop, one grouped matmul per projection)."""
+    loop, one grouped matmul per projection). routed: bool[T] or None (all); the pairs of the other tokens go to
+    expert `num_experts`, past every group."""
     k = top_e.shape[1]
+    if routed is not None:
+        top_e = jnp.where(routed[:, None], top_e, num_experts)
     flat_e = top_e.reshape(-1)
     order = jnp.argsort(flat_e, stable=True)
     return ExpertRoutes(order, order // k, flat_e[order],
@@ -464,7 +471,7 @@ class GatedAttention:
         out = ops.attend(q, state["k"], state["v"], i, batch).astype(h.dtype)          # [T, Hq*hd]
         out = out * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(h.dtype)
         h = ops.linear(out, lp, "o_proj", residual=h)
-        return ffn(c, ops, lp, h), state
+        return ffn(c, ops, lp, h, batch.writes_state), state
 
 
 def l2_normalize(x, eps: float = 1e-6):
@@ -533,7 +540,7 @@ class GatedDeltaNet:
         o = rms_norm(o, lp["gdn_norm"].astype(jnp.float32), c.rms_norm_eps)            # [T, Hv, dv]
         o = o * jax.nn.silu(z.reshape(T, Hv, dv).astype(jnp.float32))
         h = ops.linear(o.reshape(T, Hv * dv).astype(h.dtype), lp, "out_proj", residual=h)
-        return ffn(c, ops, lp, h), state
+        return ffn(c, ops, lp, h, batch.writes_state), state
 
 
 def conv_window(ring, i, batch: ForwardBatch, inputs, K: int):
