@@ -331,7 +331,7 @@ def gpt_oss_moe(c, ops: Ops, lp, h, routed=None):
     act = clamped_swiglu(gate_up, c.swiglu_alpha, c.swiglu_limit).astype(x.dtype)
     out = ops.linear(act, lp, "experts_down_proj", group_sizes=routes.group_sizes)
     out = out + lp["experts_down_bias"][routes.expert].astype(out.dtype)                         # [T*k, D]
-    return h + routes.combine(out, top_w, h.shape[0]).astype(h.dtype)
+    return h + routes.combine(out, top_w).astype(h.dtype)
 
 
 class GptOss:
@@ -398,7 +398,7 @@ def moe(c, ops: Ops, lp, h, routed=None):
     routes = route_by_expert(top_e, c.num_experts, routed)
     act = ops.linear(x[routes.token], lp, "experts_gate_up", group_sizes=routes.group_sizes)   # [T*k, F]
     out = ops.linear(act.astype(x.dtype), lp, "experts_down", group_sizes=routes.group_sizes)  # [T*k, D]
-    y = routes.combine(out, top_w, h.shape[0])
+    y = routes.combine(out, top_w)
     if "shared_gate_up" in lp:   # (the shared expert is dense: every token's row is computed anyway)
         shared = ops.linear(ops.linear(x, lp, "shared_gate_up"), lp, "shared_down")
         y = y + jax.nn.sigmoid(ops.linear(x, lp, "shared_gate")) * shared
@@ -407,19 +407,25 @@ def moe(c, ops: Ops, lp, h, routed=None):
 
 class ExpertRoutes(NamedTuple):
     """Each token's k (token, expert) pairs sorted by expert, as the grouped matmul reads them: pair j belongs to
-    token `token[j]` and expert `expert[j]`, at `order[j]` in the flat [T*k] choices; `group_sizes` [E] counts
-    each expert's pairs. The pairs of tokens not routed come last, counted by no group (expert E): the grouped
-    matmul leaves their rows unwritten and `combine` drops them."""
+    token `token[j]` and expert `expert[j]`, at `order[j]` in the flat [T*k] choices, and choice i is at
+    `position[i]` among the pairs; `group_sizes` [E] counts each expert's pairs. The pairs of tokens not routed
+    come last, counted by no group (expert E): the grouped matmul leaves their rows unwritten and `combine` drops
+    them."""
     order: jax.Array
+    position: jax.Array
     token: jax.Array
     expert: jax.Array
     group_sizes: jax.Array
 
-    def combine(self, out, top_w, num_tokens: int):
-        """The pairs' outputs [T*k, D] weighted by their routing weights top_w [T, k], summed per token: [T, D]."""
-        out = out * top_w.reshape(-1)[self.order][:, None].astype(out.dtype)
-        out = jnp.where((self.expert < self.group_sizes.shape[0])[:, None], out, 0)   # (where: their rows may be NaN)
-        return jnp.zeros((num_tokens, out.shape[-1]), out.dtype).at[self.token].add(out)
+    def combine(self, out, top_w):
+        """The pairs' outputs [T*k, D] weighted by their routing weights top_w [T, k], summed per token in float32:
+        [T, D]. A gather back to the choices' order, then a sum over each token's k (a scatter-add into the
+        tokens would serialise on each token's k atomic adds, and add in no fixed order)."""
+        T, k = top_w.shape
+        routed = self.expert[self.position] < self.group_sizes.shape[0]                 # [T*k]
+        # where, not a product: the rows of pairs not routed may hold NaN
+        pairs = jnp.where(routed[:, None], out[self.position].astype(jnp.float32) * top_w.reshape(-1, 1), 0.0)
+        return pairs.reshape(T, k, -1).sum(axis=1)
 
 
 def route_by_expert(top_e, num_experts: int, routed=None) -> ExpertRoutes:
@@ -431,7 +437,9 @@ def route_by_expert(top_e, num_experts: int, routed=None) -> ExpertRoutes:
         top_e = jnp.where(routed[:, None], top_e, num_experts)
     flat_e = top_e.reshape(-1)
     order = jnp.argsort(flat_e, stable=True)
-    return ExpertRoutes(order, order // k, flat_e[order],
+    position = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype),
+                                                   unique_indices=True)
+    return ExpertRoutes(order, position, order // k, flat_e[order],
                         jnp.bincount(flat_e, length=num_experts).astype(jnp.int32))
 
 
