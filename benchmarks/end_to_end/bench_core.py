@@ -56,8 +56,10 @@ def measure(llm, batch: int, k: int, input_len: int, output_len: int, seed: int)
         out = replay(T)
     jax.block_until_ready(out["tokens"])
     device = (time.perf_counter() - t0) / 20
+    tokens = np.array([o.token_ids for o in outs])   # how alike the requests decode (as vllm_batches.py reports)
     return {"batch": batch, "k": k, "tpot_ms": 1e3 * tpot, "ttft_ms": 1e3 * ttft, "output_tok_s": batch * output_len / wall,
-            "argument_buffers": buffers, "host_issue_ms": 1e3 * issue, "device_step_ms": 1e3 * device}
+            "argument_buffers": buffers, "host_issue_ms": 1e3 * issue, "device_step_ms": 1e3 * device,
+            "distinct_rows": len({tuple(t) for t in tokens.tolist()}), "distinct_tokens": len(np.unique(tokens))}
 
 
 def main():
@@ -69,6 +71,8 @@ def main():
     p.add_argument("--warmup", default="none", help="LLM's warmup: none (each program tuned when first used), fast "
                                                     "(every program without autotuning: the fast tier's TPOT)")
     p.add_argument("--model", default="qwen2.5-coder-1.5b-instruct", help="a preset's shapes, random bf16 weights")
+    p.add_argument("--weights", help="an HF directory whose weights to load instead (e.g. random_hf_checkpoint.py's, "
+                                     "which vLLM loads too)")
     p.add_argument("--draft-model", default="qwen2.5-coder-0.5b-instruct")
     p.add_argument("--eagle3-batches", type=int, nargs="*", default=[],
                    help="also these batches with a random EAGLE-3 head (k = 4, the target's head width, 32000-token "
@@ -77,7 +81,11 @@ def main():
     p.add_argument("--quantization", default=None, choices=["fp8"], help="LLM's quantization")
     p.add_argument("--json")
     a = p.parse_args()
-    target = random_model(a.model, dtype="bfloat16")
+    if a.weights:
+        from jaxspec.models import load_model
+        target = load_model(a.weights, dtype="bfloat16")
+    else:
+        target = random_model(a.model, dtype="bfloat16")
     common = dict(max_num_seqs=max(a.batches), max_model_len=a.input_len + a.output_len + 64,
                   max_num_batched_tokens=256, warmup=a.warmup, quantization=a.quantization)
     rows = []
@@ -98,11 +106,13 @@ def main():
         spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 4}
         llm = LLM(target, **common, speculative_config=spec)
         rows += [dict(measure(llm, b, 4, a.input_len, a.output_len, b), drafter="eagle3") for b in a.eagle3_batches]
-    print(f"{'batch':>5} {'k':>2} {'drafter':>8} {'TPOT ms':>8} {'tok/s':>8} {'buffers':>8} {'issue ms':>9} {'device ms':>10}")
+    print(f"{'batch':>5} {'k':>2} {'drafter':>8} {'TPOT ms':>8} {'tok/s':>8} {'buffers':>8} {'issue ms':>9} {'device ms':>10} "
+          f"{'distinct rows / tokens':>23}")
     for r in rows:
         r.setdefault("drafter", "draft" if r["k"] else "-")
         print(f"{r['batch']:>5} {r['k']:>2} {r['drafter']:>8} {r['tpot_ms']:>8.3f} {r['output_tok_s']:>8.1f} {r['argument_buffers']:>8} "
-              f"{r['host_issue_ms']:>9.3f} {r['device_step_ms']:>10.3f}", flush=True)
+              f"{r['host_issue_ms']:>9.3f} {r['device_step_ms']:>10.3f} {r['distinct_rows']:>11} / {r['distinct_tokens']:<9}",
+              flush=True)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)
