@@ -12,7 +12,7 @@
 #
 # Usage, from the project root:
 #   bash benchmarks/vllm_wheels_026.sh [DIR]
-#   python3 ../shared/tools/device_stage.py pack DIR --name vllm-wheels
+#   python3 ../shared/tools/device_stage.py pack DIR --name vllm-wheels --chunk-mib 56
 #       (writes .stage/NNN chunks and prints the device calls; the last call unpacks the wheels to
 #        /tmp/models/vllm-wheels/ on the GPU machine; make the calls back to back while it is warm)
 #   on the GPU machine, then:
@@ -48,7 +48,8 @@
 # each lazily, on its own path): tokenspeed-triton and tilelang + z3 (MLA and DeepSeek kernels), the cutlass DSL's
 # CUDA 12 libraries (the machine runs CUDA 13), the CUDA compiler nvcc + nvvm (humming-kernels' JIT, for its
 # quantized kernels), pynvvideocodec and torchcodec (video inputs), numba + llvmlite (which fail to import beside the
-# machine's numpy anyway). About 430 MB are left: 8 staging calls instead of 15.
+# machine's numpy anyway). 453 MB are left: 9 staging calls (--chunk-mib 56, which leaves room for the tree) instead
+# of 16. vLLM 0.26 ran Gemma-3-12B, GPT-OSS-20B and Qwen3-30B-A3B from it (docs/lab/2026-11-27-moe-routing-vllm.md).
 set -euo pipefail
 DIR=${1:-.whl-vllm026}
 mkdir -p "$DIR"
