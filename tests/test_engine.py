@@ -786,8 +786,10 @@ def test_bfloat16_engine_in_the_gpu_layout_agrees_with_float32():
     bf16 = dataclasses.replace(model, params=jax.tree_util.tree_map(lambda x: x.astype(jax.numpy.bfloat16),
                                                                     model.params))
     prompts = [np.random.default_rng(s).integers(0, 128, n).tolist() for s, n in enumerate([5, 3, 9, 6])]
-    llm = LLM(bf16, max_num_seqs=4, max_model_len=64, max_num_batched_tokens=8, block_size=4, warmup=False,
-              attention="pallas", unroll_layers=True)
+    # the steps compiled with LLVM's optimisation (conftest.optimize_steps): the interpreted Pallas attention runs
+    # far slower unoptimised than it compiles
+    llm = optimize_steps(LLM(bf16, max_num_seqs=4, max_model_len=64, max_num_batched_tokens=8, block_size=4,
+                             warmup=False, attention="pallas", unroll_layers=True))
     assert llm.engine.runner.state.layers["attention"]["k"].dtype == jax.numpy.bfloat16
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=1),
                         use_tqdm=False)

@@ -23,6 +23,15 @@ CONFIG = dict(batch_size=4, draft_vocab_size=1024, ttt_steps=3, warmup_steps=10,
               cache_target_outputs=True)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def optimized_training_steps():
+    """The trainer's steps compiled with LLVM's optimisation (jaxspec.train.eagle3.COMPILER_OPTIONS), which the suite
+    otherwise leaves out (conftest): they run hundreds of times and cost more to run than to compile."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("jaxspec.train.eagle3.COMPILER_OPTIONS", {"xla_backend_optimization_level": 2})
+        yield
+
+
 @pytest.fixture(scope="module")
 def target(smollm2_model):
     model = random_model(11, vocab_size=smollm2_model.config.vocab_size, hidden_size=64, num_layers=2,

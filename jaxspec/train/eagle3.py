@@ -21,6 +21,7 @@ which the head shares) stays frozen, and its features are computed here, never s
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import time
@@ -40,6 +41,8 @@ from jaxspec.train.config import TrainConfig
 from jaxspec.train.data import Examples
 
 CHECKPOINTS = "checkpoints"
+# XLA options of train_step/eval_step's compiles (None: XLA's defaults): the CPU tests turn LLVM optimisation back on.
+COMPILER_OPTIONS: dict | None = None
 
 
 # The target layer kinds whose residual streams the trainer reads (jaxspec.nn.layers.LAYER_KINDS): attention with
@@ -402,7 +405,7 @@ def train(target, examples: Examples, out_dir, config: TrainConfig = TrainConfig
                    else config.compute_dtype)
 
     # The target's weights are arguments (as constants they would be copied into the compiled program).
-    @jax.jit
+    @functools.partial(jax.jit, compiler_options=COMPILER_OPTIONS)
     def train_step(params, opt_state, target_params, ids, mask, learning_rate, cached=None, segments=None):
         aux, teacher, in_vocab = cached if cached is not None else target_fn(target_params, ids, d2t_dev, segments)
         weights = loss_weights(mask, in_vocab)
@@ -413,7 +416,7 @@ def train(target, examples: Examples, out_dir, config: TrainConfig = TrainConfig
         updates, opt_state = optimizer(learning_rate).update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss, accs
 
-    @jax.jit
+    @functools.partial(jax.jit, compiler_options=COMPILER_OPTIONS)
     def eval_step(params, target_params, ids, mask):
         aux, teacher, in_vocab = target_fn(target_params, ids, d2t_dev)
         weights = loss_weights(mask, in_vocab)
