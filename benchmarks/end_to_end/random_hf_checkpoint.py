@@ -11,7 +11,9 @@ both engines route alike. The model is built on `--device` (the GPU: GPT-OSS-20B
 then saved in 5 GB shards.
 """
 import argparse
+import json
 import os
+import shutil
 import sys
 import time
 
@@ -24,6 +26,8 @@ def main():
     p.add_argument("out")
     p.add_argument("--device", default="cuda")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--layers", type=int, help="keep the first N layers (a checkpoint that fits the disk, per-layer "
+                                              "costs unchanged); written under OUT/PRESET-Nl")
     a = p.parse_args()
     import torch
     import transformers
@@ -31,6 +35,20 @@ def main():
     import vllm_startup
     t0 = time.perf_counter()
     config_dir = vllm_startup.model_dir(a.preset, a.out)          # writes OUT/PRESET/config.json
+    if a.layers:
+        with open(os.path.join(config_dir, "config.json")) as f:
+            cfg = json.load(f)
+        cfg["num_hidden_layers"] = a.layers
+        for key in ("layer_types",):
+            if cfg.get(key):
+                cfg[key] = cfg[key][:a.layers]
+        if "max_window_layers" in cfg:
+            cfg["max_window_layers"] = a.layers
+        shutil.rmtree(config_dir)
+        config_dir = os.path.join(a.out, f"{a.preset}-{a.layers}l")
+        os.makedirs(config_dir, exist_ok=True)
+        with open(os.path.join(config_dir, "config.json"), "w") as f:
+            json.dump(cfg, f, indent=1)
     config = transformers.AutoConfig.from_pretrained(config_dir)
     torch.manual_seed(a.seed)
     with torch.device(a.device):
