@@ -407,11 +407,9 @@ def moe(c, ops: Ops, lp, h, routed=None):
 
 class ExpertRoutes(NamedTuple):
     """Each token's k (token, expert) pairs sorted by expert, as the grouped matmul reads them: pair j belongs to
-    token `token[j]` and expert `expert[j]`, at `order[j]` in the flat [T*k] choices, and choice i is at
-    `position[i]` among the pairs; `group_sizes` [E] counts each expert's pairs. The pairs of tokens not routed
-    come last, counted by no group (expert E): the grouped matmul leaves their rows unwritten and `combine` drops
-    them."""
-    order: jax.Array
+    token `token[j]` and expert `expert[j]`, and choice i of the flat [T*k] choices is at `position[i]` among the
+    pairs; `group_sizes` [E] counts each expert's pairs. The pairs of tokens not routed come last, counted by no
+    group (expert E): the grouped matmul leaves their rows unwritten and `combine` drops them."""
     position: jax.Array
     token: jax.Array
     expert: jax.Array
@@ -422,7 +420,7 @@ class ExpertRoutes(NamedTuple):
         [T, D]. A gather back to the choices' order, then a sum over each token's k (a scatter-add into the
         tokens would serialise on each token's k atomic adds, and add in no fixed order)."""
         T, k = top_w.shape
-        routed = self.expert[self.position] < self.group_sizes.shape[0]                 # [T*k]
+        routed = self.position < jnp.sum(self.group_sizes)                              # [T*k]: not sorted last
         # where, not a product: the rows of pairs not routed may hold NaN
         pairs = jnp.where(routed[:, None], out[self.position].astype(jnp.float32) * top_w.reshape(-1, 1), 0.0)
         return pairs.reshape(T, k, -1).sum(axis=1)
@@ -439,7 +437,7 @@ def route_by_expert(top_e, num_experts: int, routed=None) -> ExpertRoutes:
     order = jnp.argsort(flat_e, stable=True)
     position = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype),
                                                    unique_indices=True)
-    return ExpertRoutes(order, position, order // k, flat_e[order],
+    return ExpertRoutes(position, order // k, flat_e[order],
                         jnp.bincount(flat_e, length=num_experts).astype(jnp.int32))
 
 
