@@ -44,8 +44,9 @@ def check_against_numpy(E, K, N, rows, fp8):
     got = grouped_linear(x, LayerWeights(stacks, 1), "w", jnp.asarray(group_sizes), out_dtype=jnp.float32)
     assert got is not None
     x64, ends = np.asarray(x, np.float64), np.cumsum(group_sizes)
+    starts = ends - group_sizes
     want = np.zeros((rows, N))
     for e in np.flatnonzero(group_sizes):
-        want[ends[e] - group_sizes[e]:ends[e]] = x64[ends[e] - group_sizes[e]:ends[e]] @ dequant(e)
+        want[starts[e]:ends[e]] = x64[starts[e]:ends[e]] @ dequant(e)
     # bf16 products are exact in float32; the sums' rounding over K
     np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=2e-5 * np.abs(want).max() * np.sqrt(K / 64))
