@@ -95,3 +95,16 @@ def test_a_run_reports_its_throughput(target, tmp_path):
         saved = json.loads((tmp_path / str(pack) / "training.json").read_text())
         assert saved["throughput"] == t and saved["num_examples"] == len(ex)
     assert runs[True].throughput["padding_fraction"] < runs[False].throughput["padding_fraction"] - 0.2
+
+
+def test_the_draft_vocabulary_pass_reads_packed_rows_as_their_examples(target):
+    """The target's predictions over packed rows (the draft vocabulary's pass, one row of several examples) are the
+    predictions over the examples one per row: without the segments a packed example would see the one before it."""
+    from jaxspec.train.eagle3 import predicted_tokens
+    ex = examples_of_lengths([30, 7, 20, 12, 25, 9, 40], target.config.vocab_size, seed=3)
+    packed = ex.pack()
+    alone, together = predicted_tokens(target, ex, 4), predicted_tokens(target, packed, 4)
+    want = sorted(tuple(alone[i, :n]) for i, n in enumerate(ex.lengths))
+    got = sorted(tuple(together[r, packed.segments[r] == s]) for r in range(len(packed))
+                 for s in range(1, packed.segments[r].max() + 1))
+    assert got == want

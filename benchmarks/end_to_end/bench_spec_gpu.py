@@ -11,7 +11,8 @@ warm-up) and a short untimed pass.
 
 A method is `none`, `ngram`, `mtp` (a hybrid target's own MTP head), `eagle3=HEAD_DIR`, `draft_model=GGUF_OR_DIR`,
 any of them but `none` with `-adaptive` (SpeculativeConfig.adaptive) and with `@K` for its own speculation length
-(`mtp@2`; default --num-spec-tokens). Workloads are `jaxspec-bench --save-workload` files (token ids).
+(`mtp@2`; default --num-spec-tokens), and with `LABEL:` before it for the label its reports carry
+(`chain:eagle3=/tmp/chain --method parallel:eagle3@6=/tmp/parallel`). Workloads are `jaxspec-bench --save-workload` files (token ids).
 Prints one line per run and writes every run's report (tokens/s, TPOT, acceptance per position, the histogram
 of chosen k, steps compiled during the timed pass) to --json.
 """
@@ -28,21 +29,23 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 def parse_method(text: str, k: int):
     name, _, path = text.partition("=")
+    label, _, name = name.rpartition(":")   # LABEL:METHOD: the label the reports use (two heads of one method)
+    label = label or name
     base, _, own_k = name.partition("@")   # NAME@K: this method's own speculation length
     adaptive = base.endswith("-adaptive")
     method = base.removesuffix("-adaptive")
     if method == "none":
-        return name, None
+        return label, None
     if method not in ("ngram", "eagle3", "eagle", "draft_model", "mtp"):
         raise SystemExit(f"--method {text!r}: expected none, ngram, mtp, eagle3=DIR, eagle=DIR or draft_model=PATH")
     spec = {"method": method, "num_speculative_tokens": int(own_k) if own_k else k, "adaptive": adaptive}
     if method == "mtp":   # the target's own MTP head (random with --random-weights, filled in by main)
-        return name, spec
+        return label, spec
     if method != "ngram":
         if not path:
             raise SystemExit(f"--method {text!r} needs =PATH (the head or draft model)")
         spec["model"] = path
-    return name, spec
+    return label, spec
 
 
 def untrained_head(model, method: str) -> str:

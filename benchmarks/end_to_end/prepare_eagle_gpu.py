@@ -12,7 +12,7 @@ HumanEval's prompts look) shuffled together, for `--regenerate`: the target cont
 text, the way the HumanEval workload is served.
 
 Outputs: .gpu/sharegpt_train.json (the first N usable conversations), .gpu/sharegpt_heldout.json and
-.gpu/humaneval.json (workloads: 64 held-out ShareGPT first turns, after the training ones, and the 164 HumanEval
+.gpu/humaneval.json (workloads: --held-out (64) ShareGPT first turns, after the training ones, and the 164 HumanEval
 prompts, rendered with the 1.5B's chat template where the benchmark does so).
 """
 import argparse
@@ -25,6 +25,9 @@ def main():
     p.add_argument("--num-conversations", type=int, default=6000)
     p.add_argument("--out", default=".gpu")
     p.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
+    p.add_argument("--held-out", type=int, default=64,
+                   help="ShareGPT conversations held out after the training ones (the measured workload: batch 64 "
+                        "needs more than 64)")
     p.add_argument("--first-turns", type=int, default=0,
                    help="also write sharegpt_first_turns.json: the first user turn of the training conversations and "
                         "of this many more after the held-out ones, for `--regenerate` (the answers are the "
@@ -38,7 +41,7 @@ def main():
     from jaxspec.train.data import load_sharegpt
 
     train = load_sharegpt(args.num_conversations)
-    held = load_sharegpt(64, skip=args.num_conversations)
+    held = load_sharegpt(args.held_out, skip=args.num_conversations)
     to_sharegpt = lambda convs: [{"conversations": [{"from": "human" if m["role"] == "user" else "gpt",   # noqa
                                                       "value": m["content"]} for m in c]} for c in convs]
     with open(os.path.join(args.out, "sharegpt_train.json"), "w") as f:

@@ -78,16 +78,18 @@ def predicted_tokens(target, examples: Examples, batch_size: int, progress: bool
     target over all the data (minutes on a CPU): progress shown per batch when `progress`."""
     from tqdm.auto import tqdm
     decoder = Decoder(target.config)
-    argmax = lambda params, seq: jnp.argmax(decoder.dense_forward(params, seq)[0], -1).astype(jnp.int32)  # noqa: E731
+    argmax = lambda params, seq, seg: jnp.argmax(decoder.dense_forward(params, seq, (), seg)[0], -1).astype(  # noqa
+        jnp.int32)
     if target.config.moe:   # the experts' grouped matmul (ragged_dot) has no batching rule: one sequence at a time
-        fn = jax.jit(lambda params, seqs: jax.lax.map(lambda seq: argmax(params, seq), seqs))
+        fn = jax.jit(lambda params, seqs, segs: jax.lax.map(lambda row: argmax(params, *row), (seqs, segs)))
     else:   # the batch's sequences side by side (vmap): one matmul of B x T rows per weight, not B of T rows
-        fn = jax.jit(jax.vmap(argmax, in_axes=(None, 0)))
+        fn = jax.jit(jax.vmap(argmax, in_axes=(None, 0, 0)))
     starts = range(0, len(examples), batch_size)
-    bar = tqdm(total=len(examples), desc="target predictions (draft vocabulary)", disable=not progress, unit="seq")
+    bar = tqdm(total=len(examples), desc="target predictions (draft vocabulary)", disable=not progress, unit="row")
     parts = []
     for i in starts:   # each batch read back as it ends, so that the bar moves with the device
-        parts.append(np.asarray(fn(target.params, examples.ids[i:i + batch_size])))
+        segments = None if examples.segments is None else examples.segments[i:i + batch_size]
+        parts.append(np.asarray(fn(target.params, examples.ids[i:i + batch_size], segments)))
         bar.update(len(parts[-1]))
     bar.close()
     return np.concatenate(parts)
@@ -358,16 +360,18 @@ def train(target, examples: Examples, out_dir, config: TrainConfig = TrainConfig
     manager = ocp.CheckpointManager(out_dir / CHECKPOINTS, options=ocp.CheckpointManagerOptions(
         max_to_keep=2, save_interval_steps=1))
     latest = manager.latest_step()
+    num_examples = len(examples)
+    if config.pack:   # before the draft vocabulary's pass too: it reads fewer rows
+        examples = examples.pack()
     if latest is None:   # the draft vocabulary: what the target predicts most where the head is trained
         predicted = predicted_tokens(target, examples, config.batch_size, progress)
         next_is_assistant = np.pad(examples.mask[:, 1:], ((0, 0), (0, 1)))
+        if examples.segments is not None:   # a packed example's last token is not followed by the next's first
+            next_is_assistant *= np.pad(examples.segments[:, 1:] == examples.segments[:, :-1], ((0, 0), (0, 1)))
         d2t = draft_vocabulary(predicted, next_is_assistant, tc.vocab_size, config.draft_vocab_size)
     else:
         d2t = np.asarray(json.loads((out_dir / CHECKPOINTS / "head.json").read_text())["d2t"], np.int32)
     head = EagleHead("eagle3", head_config(tc), tc, draft_vocab_size=len(d2t), parallel=config.arch == "parallel")
-    num_examples = len(examples)
-    if config.pack:   # after the draft vocabulary, which reads the examples one per row
-        examples = examples.pack()
 
     # The learning rate is an argument of the step, computed on the host: a time budget can then resize the
     # schedule after the first steps are timed without recompiling (the optimizer's state does not depend on it).
@@ -473,14 +477,16 @@ def train(target, examples: Examples, out_dir, config: TrainConfig = TrainConfig
                     bar.total = total_steps
                     bar.write(f"{per_step * 1e3:.0f} ms per step: {total_steps} steps fit in "
                               f"max_seconds={config.max_seconds:g}")
+        if step == total_steps:   # the steady rate's end, before the last checkpoint's save (not a step's cost)
+            jax.block_until_ready(loss)
+            t_last = time.perf_counter()
         if step % config.save_every == 0 or step == total_steps:
             manager.save(step, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}))
         if progress and len(losses) > 1 and (step % 10 == 1 or step == total_steps):
             # the step before's loss: done while this one runs, so reading it does not hold the device's queue
             a = np.asarray(accs[-2])
             bar.set_postfix(loss=f"{float(losses[-2]):.3f}", acc="/".join(f"{x:.2f}" for x in a[:4]))
-    jax.block_until_ready(losses[-1] if losses else None)
-    steady_seconds = (time.perf_counter() - t_steady) / (step - steady_from) if t_steady and step > steady_from else None
+    steady_seconds = (t_last - t_steady) / (step - steady_from) if t_steady and step > steady_from else None
     bar.close()
     manager.wait_until_finished()
     if steady_seconds is not None and target_seconds is None:   # the target's share of a step: its forward alone
