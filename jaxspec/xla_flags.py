@@ -64,4 +64,23 @@ def configure() -> str | None:
     if not any(lib.name.startswith("xla_cuda_plugin") for lib in libs) or not _libraries_name(mode, libs):
         return None
     os.environ["XLA_FLAGS"] = f"{flags} --xla_gpu_command_buffer_update_mode={mode}".strip()
+    global _added
+    _added = f"--xla_gpu_command_buffer_update_mode={mode}"
     return mode
+
+
+_added: str | None = None   # the flag configure() added to XLA_FLAGS, if any
+
+
+def release_update_mode() -> str | None:
+    """Takes back the update mode configure() added (not one the user named), before JAX starts its backend: for
+    a process that replays no decode step, such as training. Returns the flag removed, or None. On an H100 on
+    2026-11-28, EAGLE-3 training under SKIP_PROFILED (whose VMM allocator XLA turns on with it) was killed by a
+    segmentation fault at its orbax checkpoint save in both runs that had it; the same runs without it finished."""
+    global _added
+    flags = os.environ.get("XLA_FLAGS", "").split()
+    if _added is None or _added not in flags:
+        return None
+    removed, _added = _added, None
+    os.environ["XLA_FLAGS"] = " ".join(f for f in flags if f != removed)
+    return removed

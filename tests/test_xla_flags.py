@@ -40,3 +40,23 @@ def test_the_update_mode_is_set_only_where_it_applies(monkeypatch, tmp_path):
     monkeypatch.setattr(xla_flags, "_libraries", lambda: [new_jaxlib, plugin])
     assert xla_flags.configure() == "SKIP_PROFILED"
     assert os.environ["XLA_FLAGS"] == "--xla_gpu_command_buffer_update_mode=SKIP_PROFILED"
+
+
+def test_training_takes_back_only_the_mode_jaxspec_added(monkeypatch, tmp_path):
+    """release_update_mode removes the flag configure() added and nothing else; a mode the user named stays."""
+    jaxlib, plugin = tmp_path / "libjax_common.so", tmp_path / "xla_cuda_plugin.so"
+    for path in (jaxlib, plugin):
+        path.write_bytes(b"\0ALWAYS_UPDATE\0SKIP_PROFILED\0")
+    monkeypatch.setattr(xla_flags, "_libraries", lambda: [jaxlib, plugin])
+    monkeypatch.setattr(xla_flags, "_added", None)
+    monkeypatch.delenv("JAXSPEC_COMMAND_BUFFER_UPDATE_MODE", raising=False)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+    assert xla_flags.configure() == "SKIP_PROFILED"
+    assert xla_flags.release_update_mode() == "--xla_gpu_command_buffer_update_mode=SKIP_PROFILED"
+    assert os.environ["XLA_FLAGS"] == "--xla_force_host_platform_device_count=4"
+    assert xla_flags.release_update_mode() is None
+
+    named = "--xla_gpu_command_buffer_update_mode=ALWAYS_UPDATE"   # the user's own: configure adds nothing
+    monkeypatch.setenv("XLA_FLAGS", named)
+    assert xla_flags.configure() is None and xla_flags.release_update_mode() is None
+    assert os.environ["XLA_FLAGS"] == named

@@ -82,6 +82,8 @@ def check_args(p: ArgumentParser, args):
 def main(argv=None):
     """The `jaxspec-train-eagle` console script: a bad flag is one line and exit code 2, a failure at run time
     (a missing file, a model that cannot load) one line and exit code 1."""
+    from jaxspec import xla_flags
+    xla_flags.release_update_mode()   # no decode step replayed here; its allocator crashed the checkpoint save
     p = build_parser()
     args = p.parse_args(argv)
     with one_line_errors(p.prog):

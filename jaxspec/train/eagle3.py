@@ -481,7 +481,9 @@ def train(target, examples: Examples, out_dir, config: TrainConfig = TrainConfig
             jax.block_until_ready(loss)
             t_last = time.perf_counter()
         if step % config.save_every == 0 or step == total_steps:
-            manager.save(step, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}))
+            # from host copies taken here, not orbax's device reads on its own thread (see
+            # xla_flags.release_update_mode: the save crashed on an H100 under the VMM allocator)
+            manager.save(step, args=ocp.args.StandardSave(jax.device_get({"params": params, "opt_state": opt_state})))
         if progress and len(losses) > 1 and (step % 10 == 1 or step == total_steps):
             # the step before's loss: done while this one runs, so reading it does not hold the device's queue
             a = np.asarray(accs[-2])

@@ -1,0 +1,65 @@
+# Issue #37's measurements on one GPU, Qwen2.5-Coder-1.5B-Instruct: self-distilled data, the trainer's throughput
+# before and after packing, a chain and a parallel EAGLE-3 head trained on the same data, then every method's output
+# tok/s at several concurrencies. One step per device call (each fits a 10-minute call); the data and heads live
+# under $D on the machine, so make the calls back to back.
+#
+#   bash benchmarks/end_to_end/spec_campaign_gpu.sh OUT regen          # .gpu/train_mixed.json -> $D/regen.json (+ OUT)
+#   bash benchmarks/end_to_end/spec_campaign_gpu.sh OUT before         # trainer, one example per row (nopack-b8)
+#   SECONDS_EACH=120 bash benchmarks/end_to_end/spec_campaign_gpu.sh OUT train chain parallel
+#   bash benchmarks/end_to_end/spec_campaign_gpu.sh OUT bench "1 8 32 64" none chain:eagle3@4=chain parallel:eagle3@4=parallel
+#
+# Staged first: the GGUF under /tmp/models (../shared/tools/device_stage.py split), `.gpu/` carried with
+# prepare_eagle_gpu.py's train_mixed.json, humaneval.json and sharegpt_heldout.json (or regen.json.gz from an earlier
+# regen: it is used instead of regenerating), and the gguf wheel in .gpu/ (the machine has no gguf package).
+# Bench methods name heads by their directory under $D (`chain:eagle3@4=chain` -> $D/chain).
+set -o pipefail
+OUT=$1; STEP=$2; shift 2
+M=${M:-/tmp/models/Qwen2.5-Coder-1.5B-Instruct.Q4_K_M.gguf}
+D=${D:-/tmp/gpu}
+mkdir -p $D $OUT
+[ -d /tmp/site/gguf ] || python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu/*.whl
+export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD TQDM_MININTERVAL=20
+echo "$(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
+quiet() { tr '\r' '\n' | tee "$1" | grep -v "it/s\]\|step/s\]\|row/s\]\|req/s\]\|^\s*$" | tail -${2:-25}; }
+have_regen() {
+  [ -f $D/regen.json ] && return 0
+  [ -f .gpu/regen.json.gz ] && gunzip -c .gpu/regen.json.gz > $D/regen.json
+}
+# the trainer replays no decode step: XLA's own command-buffer mode (jaxspec.xla_flags.release_update_mode)
+TRAIN_ENV="XLA_FLAGS=--xla_gpu_enable_triton_gemm=false JAXSPEC_COMMAND_BUFFER_UPDATE_MODE=default"
+
+cp .gpu/*.json $D/ 2>/dev/null
+
+case $STEP in
+regen)
+  python3 -m jaxspec.train.cli --model $M --out $D/unused --dataset-path $D/train_mixed.json \
+    --num-conversations ${NUM_PROMPTS:-11936} --num-held-out 64 --regenerate --regenerate-max-tokens 320 \
+    --regenerate-batch-size 256 --save-regenerated $D/regen.json 2>&1 | quiet $OUT/regen.log
+  gzip -1 -c $D/regen.json | split -b 15M - $OUT/regen.json.gz. ;;
+before)
+  have_regen
+  env $TRAIN_ENV python3 benchmarks/end_to_end/train_throughput_gpu.py --model $M --dataset-path $D/regen.json \
+    --num-examples 1000 --steps 25 --run nopack-b8 ${RUNS:-} --json $OUT/train_throughput.json 2>&1 \
+    | quiet $OUT/throughput.log 8 ;;
+train)
+  have_regen
+  N=$(python3 -c "import json; print(len(json.load(open('$D/regen.json'))))")
+  for ARCH in "$@"; do
+    rm -rf $D/$ARCH
+    env $TRAIN_ENV python3 -m jaxspec.train.cli --model $M --out $D/$ARCH --dataset-path $D/regen.json \
+      --num-conversations $((N - 64)) --num-held-out 64 --arch $ARCH --batch-size ${BATCH:-8} --steps 100000 \
+      --max-seconds ${SECONDS_EACH:-120} --save-every 2000 2>&1 | quiet $OUT/train_$ARCH.log
+    cp $D/$ARCH/training.json $OUT/training_$ARCH.json
+  done ;;
+bench)
+  CONC=$1; shift
+  METHODS=""
+  for m in "$@"; do
+    case $m in *=*) METHODS="$METHODS --method ${m%%=*}=$D/${m#*=}";; *) METHODS="$METHODS --method $m";; esac
+  done
+  NP=$(for c in $CONC; do echo $(( c < 4 ? 6 : 2 * c )); done)
+  python3 benchmarks/end_to_end/bench_spec_gpu.py --model $M --concurrency $CONC --num-prompts $NP \
+    --workload humaneval=$D/humaneval.json --workload sharegpt=$D/sharegpt_heldout.json $METHODS \
+    --json $OUT/bench.json 2>&1 | quiet $OUT/bench.log 60 ;;
+*) echo "unknown step $STEP: regen, before, train, bench"; exit 2 ;;
+esac
