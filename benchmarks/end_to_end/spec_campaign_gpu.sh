@@ -4,7 +4,8 @@
 # under $D on the machine, so make the calls back to back.
 #
 #   bash benchmarks/end_to_end/spec_campaign_gpu.sh OUT regen          # .gpu/train_mixed.json -> $D/regen.json (+ OUT)
-#   bash benchmarks/end_to_end/spec_campaign_gpu.sh OUT before         # trainer, one example per row (nopack-b8)
+#   bash benchmarks/end_to_end/spec_campaign_gpu.sh OUT before         # trainer, one example per row (nopack-b8),
+#                                                                       # then the packed step's kernels
 #   SECONDS_EACH=120 bash benchmarks/end_to_end/spec_campaign_gpu.sh OUT train chain parallel
 #   bash benchmarks/end_to_end/spec_campaign_gpu.sh OUT bench "1 8 32 64" none chain:eagle3@4=chain parallel:eagle3@4=parallel
 #
@@ -40,7 +41,9 @@ before)
   have_regen
   env $TRAIN_ENV python3 benchmarks/end_to_end/train_throughput_gpu.py --model $M --dataset-path $D/regen.json \
     --num-examples 1000 --steps 25 --run nopack-b8 ${RUNS:-} --json $OUT/train_throughput.json 2>&1 \
-    | quiet $OUT/throughput.log 8 ;;
+    | quiet $OUT/throughput.log 8
+  env $TRAIN_ENV python3 benchmarks/profiles/profile_train_step.py --model $M --dataset-path $D/regen.json \
+    --trace-dir /tmp/train_trace 2>&1 | quiet $OUT/train_profile.log 70 ;;
 train)
   have_regen
   N=$(python3 -c "import json; print(len(json.load(open('$D/regen.json'))))")

@@ -187,6 +187,43 @@ def unrolled_logits(head: EagleHead, params, embed, ids, aux, num_steps: int, co
     return out_logits
 
 
+def head_optimizer(config: TrainConfig, learning_rate):
+    """The head's optimizer. The learning rate is an argument of the step, computed on the host: a time budget can
+    then resize the schedule after the first steps are timed without recompiling (the optimizer's state does not
+    depend on it)."""
+    import optax
+    return optax.chain(optax.clip_by_global_norm(config.grad_clip),
+                       optax.adamw(learning_rate, weight_decay=config.weight_decay))
+
+
+def compute_dtype(config: TrainConfig):
+    """The head's matmul dtype: bf16 on a GPU unless the config names one (f32 params, f32 gradients)."""
+    if config.compute_dtype != "auto":
+        return jnp.dtype(config.compute_dtype)
+    return jnp.dtype("bfloat16" if jax.default_backend() == "gpu" else "float32")
+
+
+def make_train_step(head: EagleHead, target_fn, d2t, config: TrainConfig):
+    """jit: (params, opt_state, target params, ids [B, T], mask [B, T], learning rate, cached target outputs or
+    None, segments [B, T] or None) -> (params, opt_state, loss, per-step accuracy [J]): one training step, the
+    target's forward (target_fn) included unless its outputs are cached. The target's weights are arguments (as
+    constants they would be copied into the compiled program)."""
+    import optax
+    d2t_dev, J, decay, cd = jnp.asarray(d2t), config.ttt_steps, config.step_decay, compute_dtype(config)
+
+    @functools.partial(jax.jit, compiler_options=COMPILER_OPTIONS)
+    def train_step(params, opt_state, target_params, ids, mask, learning_rate, cached=None, segments=None):
+        aux, teacher, in_vocab = cached if cached is not None else target_fn(target_params, ids, d2t_dev, segments)
+        weights = loss_weights(mask, in_vocab)
+        grad_fn = jax.value_and_grad(lambda p: ttt_forward(head, p, target_params["embed"], ids, aux, teacher,
+                                                           weights, J, decay, compute_dtype=cd, segments=segments),
+                                     has_aux=True)
+        (loss, (_, accs, _)), grads = grad_fn(params)
+        updates, opt_state = head_optimizer(config, learning_rate).update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss, accs
+    return train_step
+
+
 def ttt_forward(head: EagleHead, params, embed, ids, aux, teacher, weights, num_steps: int, step_decay: float,
                 counted=None, compute_dtype=jnp.float32, segments=None):
     """The training-time test over a batch -> (weighted loss, (per-step loss [J], per-step accuracy [J],
@@ -373,11 +410,7 @@ def train(target, examples: Examples, out_dir, config: TrainConfig = TrainConfig
         d2t = np.asarray(json.loads((out_dir / CHECKPOINTS / "head.json").read_text())["d2t"], np.int32)
     head = EagleHead("eagle3", head_config(tc), tc, draft_vocab_size=len(d2t), parallel=config.arch == "parallel")
 
-    # The learning rate is an argument of the step, computed on the host: a time budget can then resize the
-    # schedule after the first steps are timed without recompiling (the optimizer's state does not depend on it).
-    def optimizer(learning_rate):
-        return optax.chain(optax.clip_by_global_norm(config.grad_clip),
-                           optax.adamw(learning_rate, weight_decay=config.weight_decay))
+    optimizer = functools.partial(head_optimizer, config)
 
     def schedule(total_steps):
         warmup = min(config.warmup_steps, total_steps - 1)
@@ -405,20 +438,8 @@ def train(target, examples: Examples, out_dir, config: TrainConfig = TrainConfig
     target_fn = make_target_fn(tc, aux_layers)
     d2t_dev = jnp.asarray(d2t)
     J, decay = config.ttt_steps, config.step_decay
-    cd = jnp.dtype(("bfloat16" if jax.default_backend() == "gpu" else "float32") if config.compute_dtype == "auto"
-                   else config.compute_dtype)
-
-    # The target's weights are arguments (as constants they would be copied into the compiled program).
-    @functools.partial(jax.jit, compiler_options=COMPILER_OPTIONS)
-    def train_step(params, opt_state, target_params, ids, mask, learning_rate, cached=None, segments=None):
-        aux, teacher, in_vocab = cached if cached is not None else target_fn(target_params, ids, d2t_dev, segments)
-        weights = loss_weights(mask, in_vocab)
-        grad_fn = jax.value_and_grad(lambda p: ttt_forward(head, p, target_params["embed"], ids, aux, teacher,
-                                                           weights, J, decay, compute_dtype=cd, segments=segments),
-                                     has_aux=True)
-        (loss, (_, accs, _)), grads = grad_fn(params)
-        updates, opt_state = optimizer(learning_rate).update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss, accs
+    cd = compute_dtype(config)
+    train_step = make_train_step(head, target_fn, d2t, config)
 
     @functools.partial(jax.jit, compiler_options=COMPILER_OPTIONS)
     def eval_step(params, target_params, ids, mask):
