@@ -108,3 +108,18 @@ def test_the_draft_vocabulary_pass_reads_packed_rows_as_their_examples(target):
     got = sorted(tuple(together[r, packed.segments[r] == s]) for r in range(len(packed))
                  for s in range(1, packed.segments[r].max() + 1))
     assert got == want
+
+
+def test_the_target_forward_batched_equals_row_by_row(target):
+    """make_target_fn's two forms (rows one after another, rows side by side) give the same features, teacher and
+    in-vocabulary flags, packed rows included."""
+    tc = target.config
+    ex = examples_of_lengths([30, 7, 20, 12, 25, 9, 40], tc.vocab_size, seed=4).pack()
+    d2t = jnp.asarray(np.arange(0, tc.vocab_size, 2, dtype=np.int32))
+    aux_layers = EagleHead("eagle3", head_config(tc), tc, draft_vocab_size=len(d2t)).aux_layers
+    ids, segments = jnp.asarray(ex.ids), jnp.asarray(ex.segments)
+    one_by_one = make_target_fn(tc, aux_layers)(target.params, ids, d2t, segments)
+    batched = make_target_fn(tc, aux_layers, rows_side_by_side=True)(target.params, ids, d2t, segments)
+    for a, b in zip(one_by_one[:2], batched[:2]):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(batched[2]), np.asarray(one_by_one[2]))

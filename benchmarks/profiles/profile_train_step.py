@@ -1,5 +1,6 @@
 """Where an EAGLE-3 training step's time goes, by kernel: the target's forward alone and the whole step (target
 forward, the head's unrolled steps forward and backward, the optimizer), each timed over a few steps and then traced,
+with the target's rows one after another (the trainer's form) and side by side (one batched forward),
 on one batch of packed rows of a --save-regenerated dataset (issue #37: the step at ~35% MFU on an H100).
 
     python3 benchmarks/profiles/profile_train_step.py --model /tmp/models/Qwen2.5-Coder-1.5B-Instruct.Q4_K_M.gguf \\
@@ -65,17 +66,24 @@ def main():
     head = EagleHead("eagle3", head_config(tc), tc, draft_vocab_size=len(d2t), parallel=args.arch == "parallel")
     params = init_head(head, target.params, d2t, 0)
     opt_state = head_optimizer(config, 0.0).init(params)
-    target_fn = make_target_fn(tc, head.aux_layers)
-    train_step = make_train_step(head, target_fn, d2t, config)
     lr = np.float32(1e-4)
 
     size = lambda tree: sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(tree))   # noqa: E731
     target_size = size(target.params) - (target.params["embed"].size if "lm_head" in target.params else 0)
     positions = B * args.seq_len
-    flops = {"target forward": 2 * target_size * positions,
-             "training step": 2 * target_size * positions + 6 * size(params) * positions * args.ttt_steps}
-    programs = {"target forward": (target_fn, (target.params, ids, jnp.asarray(d2t), segments)),
-                "training step": (train_step, (params, opt_state, target.params, ids, mask, lr, None, segments))}
+    target_flops = 2 * target_size * positions
+    flops, programs = {}, {}
+    # the target's rows one after another (the trainer's form) and side by side (make_target_fn's other form)
+    for form, side_by_side in (("rows one by one", False), ("rows side by side", True)):
+        if side_by_side and tc.moe:
+            continue
+        target_fn = make_target_fn(tc, head.aux_layers, rows_side_by_side=side_by_side)
+        train_step = make_train_step(head, target_fn, d2t, config)
+        flops[f"target forward, {form}"] = target_flops
+        programs[f"target forward, {form}"] = (target_fn, (target.params, ids, jnp.asarray(d2t), segments))
+        flops[f"training step, {form}"] = target_flops + 6 * size(params) * positions * args.ttt_steps
+        programs[f"training step, {form}"] = (train_step, (params, opt_state, target.params, ids, mask, lr, None,
+                                                           segments))
     peak = peak_flops()
     print(f"{jax.devices()[0].device_kind}: batch {B} x {args.seq_len} packed rows "
           f"({float(examples.row_lengths()[:B].mean()) / args.seq_len:.0%} used), {args.arch} head, "
@@ -85,7 +93,7 @@ def main():
         mfu = f", MFU {100 * flops[name] / seconds / peak:.1f}%" if peak else ""
         print(f"{name}: {seconds * 1e3:.1f} ms{mfu}", flush=True)
         if args.trace_dir:
-            trace_dir = os.path.join(args.trace_dir, name.replace(" ", "_"))
+            trace_dir = os.path.join(args.trace_dir, name.replace(" ", "_").replace(",", ""))
             with jax.profiler.trace(trace_dir):
                 for _ in range(3):
                     out = fn(*fn_args)

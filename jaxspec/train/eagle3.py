@@ -107,10 +107,15 @@ def init_head(head: EagleHead, target_params: dict, d2t: np.ndarray, seed: int) 
 
 # ---- the device side ---------------------------------------------------------------------------------------
 
-def make_target_fn(target_config: ModelConfig, aux_layers: tuple[int, ...]):
+def make_target_fn(target_config: ModelConfig, aux_layers: tuple[int, ...], rows_side_by_side: bool = False):
     """jit: (target params, ids [B, T], d2t [Vd], segments [B, T] or None) -> (aux [B, T, 3D] f32, teacher
     log-probs over the draft vocabulary [B, T, Vd] f32, in_vocab bool[B, T]: the target's argmax is a
-    draft-vocabulary token). Packed rows (segments) run as their sequences would alone."""
+    draft-vocabulary token). Packed rows (segments) run as their sequences would alone. The rows run one after
+    another, or with `rows_side_by_side` as one batched forward (one matmul of B x T rows per weight; B times the
+    full-vocabulary logits live at once; not for MoE targets, whose grouped matmul has no batching rule): which is
+    faster on the GPU is what benchmarks/profiles/profile_train_step.py measures."""
+    if rows_side_by_side and target_config.moe:
+        raise ValueError("rows_side_by_side: a MoE target's experts (ragged_dot) have no batching rule")
     decoder = Decoder(target_config)
 
     @jax.jit
@@ -121,6 +126,8 @@ def make_target_fn(target_config: ModelConfig, aux_layers: tuple[int, ...]):
             in_vocab = jnp.zeros(logits.shape[-1], bool).at[d2t].set(True)[jnp.argmax(logits, -1)]
             teacher = jax.nn.log_softmax(logits[:, d2t], axis=-1)                # [T, Vd]
             return jnp.concatenate(list(aux), -1).astype(jnp.float32), teacher, in_vocab
+        if rows_side_by_side:
+            return jax.vmap(lambda seq, seg: one((seq, seg)))(ids, segments)
         return jax.lax.map(one, (ids, segments))
     return target_fn
 
