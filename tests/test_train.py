@@ -194,8 +194,9 @@ def first_examples(examples, n: int):
 
 
 def test_a_resumed_run_continues_the_loss_curve(target, data, tmp_path):
-    """Half the steps, stopped, then resumed from the orbax checkpoint: the same losses as one run straight. (Three
-    batches an epoch: step 4 resumes mid-way through the second epoch's batches.)"""
+    """Half the steps, stopped, then resumed from the orbax checkpoint after the output directory moved (as it does
+    to another machine): the same losses as one run straight. (Three batches an epoch: step 4 resumes mid-way
+    through the second epoch's batches.)"""
     (training, _), _ = data
     training = first_examples(training, 12)
     small = dict(CONFIG, cache_target_outputs=False)
@@ -207,7 +208,8 @@ def test_a_resumed_run_continues_the_loss_curve(target, data, tmp_path):
     assert first.losses == straight.losses
     import shutil
     shutil.rmtree(tmp_path / "resumed2" / "checkpoints" / "8")
-    resumed = train(target, training, tmp_path / "resumed2", TrainConfig(steps=8, save_every=4, **small),
+    shutil.move(tmp_path / "resumed2", tmp_path / "elsewhere")
+    resumed = train(target, training, tmp_path / "elsewhere", TrainConfig(steps=8, save_every=4, **small),
                     progress=False)
     assert resumed.first_step == 4 and len(resumed.losses) == 4
     np.testing.assert_allclose(resumed.losses, straight.losses[4:], rtol=1e-5)
