@@ -8,6 +8,7 @@
 #                                                                       # then the packed step's kernels
 #   SECONDS_EACH=120 bash benchmarks/end_to_end/spec_campaign_gpu.sh OUT train chain parallel
 #   bash benchmarks/end_to_end/spec_campaign_gpu.sh OUT bench "1 8 32 64" none chain:eagle3@4=chain parallel:eagle3@4=parallel
+#   bash benchmarks/end_to_end/spec_campaign_gpu.sh OUT vllm chain 1 8 32 64   # vLLM 0.26's EAGLE-3, the same head
 #
 # Staged first: the GGUF under /tmp/models (../shared/tools/device_stage.py split), `.gpu/` carried with
 # prepare_eagle_gpu.py's train_mixed.json, humaneval.json and sharegpt_heldout.json (or regen.json.gz from an earlier
@@ -21,7 +22,8 @@ mkdir -p $D $OUT
 [ -d /tmp/site/gguf ] || python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu/*.whl
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD TQDM_MININTERVAL=20
 echo "$(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
-quiet() { tr '\r' '\n' | tee "$1" | grep -v "it/s\]\|step/s\]\|row/s\]\|req/s\]\|^\s*$" | tail -${2:-25}; }
+# the whole output to a log (tee first: a stage that buffers would lose a killed run's tail), the end without bars
+quiet() { tee "$1" | tr '\r' '\n' | grep -v "it/s\]\|step/s\]\|row/s\]\|req/s\]\|^\s*$" | tail -${2:-25}; }
 have_regen() {
   [ -f $D/regen.json ] && return 0
   [ -f .gpu/regen.json.gz ] && gunzip -c .gpu/regen.json.gz > $D/regen.json
@@ -64,5 +66,21 @@ bench)
   python3 benchmarks/end_to_end/bench_spec_gpu.py --model $M --concurrency $CONC --num-prompts $NP \
     --workload humaneval=$D/humaneval.json --workload sharegpt=$D/sharegpt_heldout.json $METHODS \
     --json $OUT/bench.json 2>&1 | quiet $OUT/bench.log 60 ;;
-*) echo "unknown step $STEP: regen, before, train, bench"; exit 2 ;;
+vllm)
+  # vLLM 0.26's EAGLE-3 with a head trained here, on the same HumanEval prompts, beside jaxspec's run of the same
+  # head (jaxspec.bench --baseline vllm). Staged first: benchmarks/vllm_wheels_026.sh's set, unpacked to
+  # /tmp/models/vllm-wheels by device_stage.py pack. Steps: HEAD CONCURRENCY...
+  HEAD=$1; shift
+  [ -d /tmp/vllm-site/vllm ] || { python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/vllm-site \
+    /tmp/models/vllm-wheels/*.whl && rm -rf /tmp/vllm-site/benchmarks /tmp/vllm-site/samples; }
+  [ -f /tmp/models/qwen15-hf/config.json ] || python3 benchmarks/end_to_end/gguf_to_hf.py $M /tmp/models/qwen15-hf
+  for c in ${*:-1 8 32 64}; do
+    env PYTHONPATH=/tmp/vllm-site:/tmp/vllm-site/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH \
+      VLLM_USE_FLASHINFER_SAMPLER=0 python3 -m jaxspec.bench --model $M --dataset file \
+      --dataset-path $D/humaneval.json --num-prompts $(( c < 4 ? 8 : 2 * c )) --max-concurrency $c --output-len 256 \
+      --no-ignore-eos --temperature 0 --spec-method eagle3 --draft-model $D/$HEAD --num-spec-tokens 4 \
+      --max-model-len 2048 --max-num-batched-tokens 512 --baseline vllm --vllm-model /tmp/models/qwen15-hf \
+      --json $OUT/vllm_eagle_b$c.json 2>&1 | quiet $OUT/vllm_eagle_b$c.log 12
+  done ;;
+*) echo "unknown step $STEP: regen, before, train, bench, vllm"; exit 2 ;;
 esac
