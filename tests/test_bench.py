@@ -283,3 +283,15 @@ def test_structured_json_on_every_request_validates_offline_and_online(tmp_path,
         assert r["output_tokens"] == round(3 * r["output_len"]["mean"]) and r["output_len"]["min"] > 20, name
         assert r["recompiles"] == 0, name   # the grammar steps were compiled before the clock started
     assert results["offline"]["output_digest"] == results["online"]["output_digest"]
+
+
+def test_the_report_of_an_engine_without_warm_up(capsys):
+    """--warmup none leaves no warm-up to count recompiles from (stats()["recompiles"] is None): the report prints
+    "-" there instead of failing on the None."""
+    from jaxspec.bench.report import print_report
+    stats = {"mean": 1.0, "median": 1.0, "p99": 1.0}
+    print_report({"label": "async", "requests": 1, "duration_s": 1.0, "input_tokens": 16, "output_tokens": 4,
+                  "request_throughput": 1.0, "output_throughput": 4.0, "total_throughput": 20.0, "steps": 5,
+                  "recompiles": None, "ttft_ms": stats, "tpot_ms": stats, "itl_ms": stats})
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("Recompiles after warm-up"))
+    assert row.split()[-1] == "-"

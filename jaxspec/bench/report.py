@@ -15,7 +15,9 @@ def print_report(r: dict):
             ("Request throughput (req/s)", f"{r['request_throughput']:.2f}"),
             ("Output token throughput (tok/s)", f"{r['output_throughput']:.2f}"),
             ("Total token throughput (tok/s)", f"{r['total_throughput']:.2f}"),
-            ("Engine steps", r.get("steps", "-")), ("Recompiles after warm-up", r.get("recompiles", "-"))]
+            ("Engine steps", r.get("steps", "-")),
+            # None: the engine ran no warm-up (--warmup none), so nothing counts as a recompile
+            ("Recompiles after warm-up", "-" if r.get("recompiles") is None else r["recompiles"])]
     if np.isfinite(r.get("request_rate", float("inf"))):
         rows.insert(1, ("Request rate (req/s, Poisson)", f"{r['request_rate']:.2f}"))
     if "output_len" in r:
