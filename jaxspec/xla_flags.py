@@ -52,6 +52,7 @@ def _libraries_name(word: str, libs) -> bool:
 
 
 DEFAULT_UPDATE_MODE = "SKIP_PROFILED"
+_added: str | None = None   # the flag configure() added to XLA_FLAGS, if any
 
 
 def configure() -> str | None:
@@ -67,9 +68,6 @@ def configure() -> str | None:
     global _added
     _added = f"--xla_gpu_command_buffer_update_mode={mode}"
     return mode
-
-
-_added: str | None = None   # the flag configure() added to XLA_FLAGS, if any
 
 
 def release_update_mode() -> str | None:

@@ -53,7 +53,7 @@ def main():
     from jaxspec.nn.eagle import EagleHead
     from jaxspec.train import TrainConfig, load_sharegpt, render
     from jaxspec.train.eagle3 import (head_config, head_optimizer, init_head, make_target_fn, make_train_step,
-                                      peak_flops)
+                                      peak_flops, training_flops)
     from profile_step import kernel_breakdown
 
     target = load_model(args.model, _resolve_dtype("auto"))
@@ -68,10 +68,7 @@ def main():
     opt_state = head_optimizer(config, 0.0).init(params)
     lr = np.float32(1e-4)
 
-    size = lambda tree: sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(tree))   # noqa: E731
-    target_size = size(target.params) - (target.params["embed"].size if "lm_head" in target.params else 0)
-    positions = B * args.seq_len
-    target_flops = 2 * target_size * positions
+    target_flops, head_flops = training_flops(target.params, params, B * args.seq_len, args.ttt_steps)
     flops, programs = {}, {}
     # the target's rows one after another (the trainer's form) and side by side (make_target_fn's other form)
     for form, side_by_side in (("rows one by one", False), ("rows side by side", True)):
@@ -81,7 +78,7 @@ def main():
         train_step = make_train_step(head, target_fn, d2t, config)
         flops[f"target forward, {form}"] = target_flops
         programs[f"target forward, {form}"] = (target_fn, (target.params, ids, jnp.asarray(d2t), segments))
-        flops[f"training step, {form}"] = target_flops + 6 * size(params) * positions * args.ttt_steps
+        flops[f"training step, {form}"] = target_flops + head_flops
         programs[f"training step, {form}"] = (train_step, (params, opt_state, target.params, ids, mask, lr, None,
                                                            segments))
     peak = peak_flops()

@@ -312,23 +312,28 @@ def peak_flops() -> float | None:
     return next((v for k, v in PEAK_FLOPS.items() if k in kind), None)
 
 
+def training_flops(target_params, head_params, positions: int, ttt_steps: int) -> tuple[int, int]:
+    """(target forward, head) FLOPs of a training step over `positions` positions: 2 per parameter per position for
+    the target (its lm_head, not its embedding lookup), 6 for the head's forward and backward at each of its
+    unrolled steps; attention's score FLOPs are left out."""
+    size = lambda tree: sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(tree))   # noqa: E731
+    target_size = size(target_params) - (target_params["embed"].size if "lm_head" in target_params else 0)
+    return 2 * target_size * positions, 6 * size(head_params) * positions * ttt_steps
+
+
 def training_throughput(target_params, head_params, examples, config: TrainConfig, step_seconds, target_seconds,
                         data_seconds) -> dict:
     """Tokens per second and model FLOPs utilisation of a training step and of its phases: the data (the host's
     batch), the target's forward (with cached target outputs: their one pass, per batch), the head's steps (the
-    step less the target's forward). FLOPs: 2 per parameter per position for the target (its lm_head, not its
-    embedding lookup), 6 for the head's forward and backward at each of its unrolled steps; attention's
-    score FLOPs are left out. Positions are every row's B x T, padding included: `padding_fraction` says how many
-    of them carry no token (what packing removes). {} when too few steps ran to time."""
+    step less the target's forward). FLOPs: training_flops's. Positions are every row's B x T, padding included:
+    `padding_fraction` says how many of them carry no token (what packing removes). {} when too few steps ran to
+    time."""
     if step_seconds is None:
         return {}
-    size = lambda tree: sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(tree))   # noqa: E731
-    target_size = size(target_params) - (target_params["embed"].size if "lm_head" in target_params else 0)
     B, T = config.batch_size, examples.ids.shape[1]
     positions = B * T
     used = float(examples.row_lengths().mean()) / T
-    target_flops = 2 * target_size * positions
-    head_flops = 6 * size(head_params) * positions * config.ttt_steps
+    target_flops, head_flops = training_flops(target_params, head_params, positions, config.ttt_steps)
     cached = config.cache_target_outputs
     head_seconds = step_seconds if cached else max(step_seconds - target_seconds, 1e-9)
     peak = peak_flops()
