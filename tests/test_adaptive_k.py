@@ -374,3 +374,18 @@ def test_measured_times_with_warmup_compile_nothing_new(target, drafters):  # no
     assert {k for k, _ in chooser.times} == set(range(K + 1)), chooser.times
     assert all(t > 0 for t in chooser.times.values())
     assert sum(stats["spec"]["chosen_k"]) >= 10
+
+
+def test_greedy_warmup_compiles_every_width_of_the_greedy_step_only(target, monkeypatch):  # noqa: F811
+    """engine.warmup(sample=False) (a greedy benchmark's warm-up): every draft width of the greedy step, for every
+    bucket, and no sampling step; sample=None: both."""
+    llm = spec_llm(target, "ngram", warmup=False)
+    engine, compiled = llm.engine, []
+    monkeypatch.setattr(engine.runner, "warmup", lambda variants, tier=None: compiled.append(list(variants)))
+    monkeypatch.setattr(engine.runner, "warm_transfers", lambda variants: None)
+    engine.warmup(sample=False)
+    engine.warmup()
+    greedy, both = compiled
+    assert sorted(v.drafts if v.drafts is not None else K for v in greedy) == list(range(K + 1))
+    assert not any(v.sample for v in greedy)
+    assert {(v.drafts, v.sample) for v in both} == {(v.drafts, s) for v in greedy for s in (False, True)}

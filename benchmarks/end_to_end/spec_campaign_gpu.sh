@@ -7,6 +7,7 @@
 #   bash benchmarks/end_to_end/spec_campaign_gpu.sh OUT before         # trainer, one example per row (nopack-b8),
 #                                                                       # then the packed step's kernels
 #   SECONDS_EACH=120 bash benchmarks/end_to_end/spec_campaign_gpu.sh OUT train chain parallel
+#   STEPS=900 SECONDS_EACH=1000 bash ...  OUT train chain    # a fixed step count: the same head again next session
 #   bash benchmarks/end_to_end/spec_campaign_gpu.sh OUT bench "1 8 32 64" none chain:eagle3@4=chain parallel:eagle3@4=parallel
 #   bash benchmarks/end_to_end/spec_campaign_gpu.sh OUT vllm chain 1 8 32 64   # vLLM 0.26's EAGLE-3, the same head
 #
@@ -52,7 +53,7 @@ train)
   for ARCH in "$@"; do
     rm -rf $D/$ARCH
     env $TRAIN_ENV python3 -m jaxspec.train.cli --model $M --out $D/$ARCH --dataset-path $D/regen.json \
-      --num-conversations $((N - 64)) --num-held-out 64 --arch $ARCH --batch-size ${BATCH:-8} --steps 100000 \
+      --num-conversations $((N - 64)) --num-held-out 64 --arch $ARCH --batch-size ${BATCH:-8} --steps ${STEPS:-100000} \
       --max-seconds ${SECONDS_EACH:-120} --save-every 2000 2>&1 | quiet $OUT/train_$ARCH.log
     cp $D/$ARCH/training.json $OUT/training_$ARCH.json
   done ;;

@@ -461,18 +461,21 @@ class Engine:
                 self.step()
 
     # ---- compilation and stats ---------------------------------------------------------------------
-    def _warm_variants(self) -> list[StepVariant]:
-        variants = list(WARM_VARIANTS)
+    def _warm_variants(self, sample: bool | None = None) -> list[StepVariant]:
+        base = [v for v in WARM_VARIANTS if sample is None or v.sample == sample]
+        variants = list(base)
         if self.k_chooser is not None:   # every draft width the chooser may pick
             variants += [dataclasses.replace(v, drafts=k) for k in range(self.step_config.num_speculative_tokens)
-                         for v in WARM_VARIANTS]
+                         for v in base]
         return variants
 
-    def warmup(self):
+    def warmup(self, sample: bool | None = None):
         """Compiles the step programs of every token bucket and warm variant, as `warmup_mode` says: all of them
-        now ("full": autotuned, "fast": not), or ("tiered") the smallest bucket's full-width programs now without
-        autotuning and the rest in the background."""
-        runner, variants = self.runner, self._warm_variants()
+        now ("full", and an engine built with warmup=False: autotuned; "fast": not), or ("tiered") the smallest
+        bucket's full-width programs now without autotuning and the rest in the background. `sample`: only the
+        greedy (False) or only the random (True) variants (a greedy benchmark compiles half); None: both."""
+        runner, variants = self.runner, self._warm_variants(sample)
+        self._serving_variants = [v for v in variants if v.drafts is None]   # what _follow_compiles waits for
         if self.warmup_mode == "tiered":
             # the smallest bucket at the full draft width (adaptive k starts there); programs the store holds
             # tuned load at their tuned tier at once
@@ -504,7 +507,7 @@ class Engine:
             if chooser is not None:
                 chooser.ready, chooser.budget = None, self.config.max_num_batched_tokens
             return
-        ready = runner.ready_buckets(WARM_VARIANTS)
+        ready = runner.ready_buckets(self._serving_variants)
         runner.serving_buckets = ready or None
         self.scheduler.max_num_batched_tokens = min(self.config.max_num_batched_tokens,
                                                     ready[-1] if ready else self.config.max_num_batched_tokens)
@@ -512,7 +515,7 @@ class Engine:
             K = self.step_config.num_speculative_tokens
             chooser.budget = self.scheduler.max_num_batched_tokens
             chooser.ready = lambda k, T: all(runner.programs.ready(
-                (T, dataclasses.replace(v, drafts=None if k == K else k), None)) for v in WARM_VARIANTS)
+                (T, dataclasses.replace(v, drafts=None if k == K else k), None)) for v in self._serving_variants)
 
     def wait_compiled(self, timeout: float | None = None) -> bool:
         """Waits for the background compiles (warmup="tiered"): then every warm program has its best tier and the
