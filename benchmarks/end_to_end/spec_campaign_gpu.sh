@@ -14,7 +14,8 @@
 # Staged first: the GGUF under /tmp/models (../shared/tools/device_stage.py split), `.gpu/` carried with
 # prepare_eagle_gpu.py's train_mixed.json, humaneval.json and sharegpt_heldout.json (or regen.json.gz from an earlier
 # regen: it is used instead of regenerating), and the gguf wheel in .gpu/ (the machine has no gguf package).
-# Bench methods name heads by their directory under $D (`chain:eagle3@4=chain` -> $D/chain).
+# Bench methods name heads by their directory under $D (`chain:eagle3@4=chain` -> $D/chain). Each bench row runs
+# REPEAT times (default 3; the median is reported): single passes of 6-128 requests moved by ~10% (2026-11-28).
 set -o pipefail
 OUT=$1; STEP=$2; shift 2
 M=${M:-/tmp/models/Qwen2.5-Coder-1.5B-Instruct.Q4_K_M.gguf}
@@ -66,7 +67,7 @@ bench)
   NP=$(for c in $CONC; do echo $(( c < 4 ? 6 : 2 * c )); done)
   python3 benchmarks/end_to_end/bench_spec_gpu.py --model $M --concurrency $CONC --num-prompts $NP \
     --workload humaneval=$D/humaneval.json --workload sharegpt=$D/sharegpt_heldout.json $METHODS \
-    --json $OUT/bench.json 2>&1 | quiet $OUT/bench.log 60 ;;
+    --repeat ${REPEAT:-3} --json $OUT/bench.json 2>&1 | quiet $OUT/bench.log 80 ;;
 vllm)
   # vLLM 0.26's EAGLE-3 with a head trained here, on the same HumanEval prompts, beside jaxspec's run of the same
   # head (jaxspec.bench --baseline vllm). Staged first: benchmarks/vllm_wheels_026.sh's set, unpacked to
