@@ -10,6 +10,9 @@
 #   STEPS=900 SECONDS_EACH=1000 bash ...  OUT train chain    # a fixed step count: the same head again next session
 #   bash benchmarks/end_to_end/spec_campaign_gpu.sh OUT bench "1 8 32 64" none chain:eagle3@4=chain parallel:eagle3@4=parallel
 #   bash benchmarks/end_to_end/spec_campaign_gpu.sh OUT vllm chain 1 8 32 64   # vLLM 0.26's EAGLE-3, the same head
+#   bash benchmarks/end_to_end/spec_campaign_gpu.sh OUT send-heads 0 chain parallel   # then 1, 2, ...: the heads
+#                                                                       # off the machine (bf16, 4 x 15 MiB a call)
+#   bash benchmarks/end_to_end/spec_campaign_gpu.sh OUT heads-from /tmp/models/heads.tar   # a later session
 #
 # Staged first: the GGUF under /tmp/models (../shared/tools/device_stage.py split), `.gpu/` carried with
 # prepare_eagle_gpu.py's train_mixed.json, humaneval.json and sharegpt_heldout.json (or regen.json.gz from an earlier
@@ -84,5 +87,22 @@ vllm)
       --max-model-len 2048 --max-num-batched-tokens 512 --baseline vllm --vllm-model /tmp/models/qwen15-hf \
       --json $OUT/vllm_eagle_b$c.json 2>&1 | quiet $OUT/vllm_eagle_b$c.log 12
   done ;;
-*) echo "unknown step $STEP: regen, before, train, bench, vllm"; exit 2 ;;
+send-heads)
+  # The heads off the machine, for later sessions (benchmarks/end_to_end/head_transfer.py): bfloat16 copies in one
+  # tar, in 15 MiB pieces, four a call (what one call brings back). Steps: CALL NAME... (CALL 0, 1, ... until
+  # "last piece"); put the pieces together here with `cat heads.tar.* > heads.tar && sha256sum -c heads.tar.sha256`.
+  CALL=$1; shift
+  S=/tmp/send
+  if [ ! -f $S/heads.tar.sha256 ]; then
+    rm -rf $S && mkdir -p $S/heads
+    for NAME in "$@"; do python3 benchmarks/end_to_end/head_transfer.py bf16 $D/$NAME $S/heads/$NAME || exit 1; done
+    tar -C $S -cf $S/heads.tar heads && (cd $S && split -b 15M -d -a 3 heads.tar heads.tar. && sha256sum heads.tar > heads.tar.sha256)
+  fi
+  PIECES=($(ls $S/heads.tar.[0-9]*))
+  cp $S/heads.tar.sha256 "${PIECES[@]:$((4 * CALL)):4}" $OUT/
+  echo "pieces $((4 * CALL))-$((4 * CALL + 3)) of ${#PIECES[@]}$([ $((4 * CALL + 4)) -ge ${#PIECES[@]} ] && echo ': last piece')" ;;
+heads-from)
+  # Heads brought back by send-heads and staged again (device_stage.py split heads.tar): unpacked under $D.
+  tar -xf ${1:-/tmp/models/heads.tar} -C $D --strip-components 1 && ls $D ;;
+*) echo "unknown step $STEP: regen, before, train, bench, vllm, send-heads, heads-from"; exit 2 ;;
 esac

@@ -1,0 +1,88 @@
+"""A trained EAGLE-3 head in bfloat16, for carrying it off and back onto the GPU machine in later sessions.
+
+A head of Qwen2.5-Coder-1.5B is ~420 MB as the trainer writes it (float32). Training it again costs ~4.5 minutes of
+device time a session; a bfloat16 copy (~210 MB) leaves in ~14 files of 15 MiB and comes back in ~4 staged
+chunks. An engine in bfloat16 casts a head's weights to bfloat16 when it loads them (round to nearest even, as
+here), so it serves the copy exactly as the original; vLLM reads it as a published head.
+
+    python3 benchmarks/end_to_end/head_transfer.py bf16 /tmp/gpu/chain /tmp/send/chain
+    python3 benchmarks/end_to_end/head_transfer.py check /tmp/gpu/chain /tmp/send/chain   # same weights in bf16
+
+Files besides model.safetensors (config.json, training.json) are copied; checkpoints/ is not.
+"""
+import argparse
+import json
+import shutil
+import struct
+import sys
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+from safetensors import safe_open
+
+_DTYPES = {np.dtype(np.float32): "F32", np.dtype(ml_dtypes.bfloat16): "BF16", np.dtype(np.int64): "I64",
+           np.dtype(np.int32): "I32", np.dtype(np.bool_): "BOOL", np.dtype(np.float16): "F16"}
+
+
+def read_tensors(path: Path) -> dict:
+    with safe_open(str(path), framework="numpy") as f:
+        return {name: f.get_tensor(name) for name in f.keys()}
+
+
+def write_safetensors(path: Path, tensors: dict):
+    """The safetensors layout (a little-endian u64 header length, a JSON header of dtype, shape and byte
+    offsets, then the data), written directly: numpy has no bfloat16 for safetensors' numpy writer."""
+    assert sys.byteorder == "little", "safetensors data is little-endian"
+    header, offset, blobs = {}, 0, []
+    for name, array in tensors.items():
+        blob = np.ascontiguousarray(array).tobytes()
+        header[name] = {"dtype": _DTYPES[array.dtype], "shape": list(array.shape),
+                        "data_offsets": [offset, offset + len(blob)]}
+        offset += len(blob)
+        blobs.append(blob)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)   # the data starts 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)))
+        f.write(text)
+        for blob in blobs:
+            f.write(blob)
+
+
+def to_bf16(src: Path, dst: Path):
+    dst.mkdir(parents=True, exist_ok=True)
+    for extra in src.iterdir():
+        if extra.is_file() and extra.name != "model.safetensors":
+            shutil.copy2(extra, dst / extra.name)
+    tensors = read_tensors(src / "model.safetensors")
+    write_safetensors(dst / "model.safetensors", {
+        name: a.astype(ml_dtypes.bfloat16) if a.dtype == np.float32 else a for name, a in tensors.items()})
+
+
+def check(src: Path, dst: Path) -> bool:
+    """Every tensor of dst equals src's, float32 ones rounded to bfloat16."""
+    a, b = read_tensors(src / "model.safetensors"), read_tensors(dst / "model.safetensors")
+    if a.keys() != b.keys():
+        print(f"tensor names differ: {sorted(a.keys() ^ b.keys())}")
+        return False
+    bad = [n for n in a if not np.array_equal(
+        (a[n].astype(ml_dtypes.bfloat16) if a[n].dtype == np.float32 else a[n]).view(np.uint8), b[n].view(np.uint8))]
+    print(f"{len(a) - len(bad)}/{len(a)} tensors equal" + (f"; differ: {bad}" if bad else ""))
+    return not bad
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("command", choices=["bf16", "check"])
+    p.add_argument("src", type=Path, help="the head's directory as the trainer wrote it")
+    p.add_argument("dst", type=Path, help="the bfloat16 copy's directory")
+    args = p.parse_args()
+    if args.command == "bf16":
+        to_bf16(args.src, args.dst)
+        print(f"{args.dst}: {(args.dst / 'model.safetensors').stat().st_size / 2**20:.1f} MiB")
+    sys.exit(0 if check(args.src, args.dst) else 1)
+
+
+if __name__ == "__main__":
+    main()
