@@ -335,3 +335,31 @@ def test_a_saved_head_keeps_its_targets_rope_scaling(target, tmp_path):
     save_head(tmp_path, head, init_head(head, target.params, d2t, seed=0), d2t)
     loaded, _ = load_eagle_head(tmp_path, tc, "float32")
     assert loaded.config.rope_scaling == llama3
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+def test_a_heads_bfloat16_copy_loads_to_the_same_bfloat16_weights(tmp_path, parallel):
+    """benchmarks/end_to_end/head_transfer.py (heads carried off the GPU machine in bfloat16): a bfloat16 engine
+    loads the copy to exactly the weights it loads from the float32 head."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    import jax.numpy as jnp
+    target = random_model(seed=0)
+    d2t = np.arange(0, target.config.vocab_size, 2, dtype=np.int32)
+    head = EagleHead("eagle3", head_config(target.config), target.config, draft_vocab_size=len(d2t),
+                     parallel=parallel)
+    params = init_head(head, target.params, d2t, seed=3)
+    # weights with bits below bfloat16's precision (init copies some of the target's, which are float32 too)
+    params = jax.tree_util.tree_map(lambda x: x * 1.001 + 1e-4 if x.dtype == jnp.float32 else x, params)
+    (tmp_path / "f32").mkdir()
+    save_head(tmp_path / "f32", head, params, d2t)
+    script = Path(__file__).parents[1] / "benchmarks" / "end_to_end" / "head_transfer.py"
+    subprocess.run([sys.executable, str(script), "bf16", str(tmp_path / "f32"), str(tmp_path / "bf16")], check=True,
+                   capture_output=True)
+    assert (tmp_path / "bf16" / "config.json").read_text() == (tmp_path / "f32" / "config.json").read_text()
+    want = jax.tree_util.tree_leaves_with_path(load_eagle_head(tmp_path / "f32", target.config, "bfloat16")[1])
+    got = jax.tree_util.tree_leaves_with_path(load_eagle_head(tmp_path / "bf16", target.config, "bfloat16")[1])
+    assert [p for p, _ in got] == [p for p, _ in want]
+    for (path, w), (_, g) in zip(want, got):
+        assert g.dtype == w.dtype and np.array_equal(np.asarray(g), np.asarray(w)), jax.tree_util.keystr(path)
