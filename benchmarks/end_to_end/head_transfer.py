@@ -11,9 +11,7 @@ here), so it serves the copy exactly as the original; vLLM reads it as a publish
 Files besides model.safetensors (config.json, training.json) are copied; checkpoints/ is not.
 """
 import argparse
-import json
 import shutil
-import struct
 import sys
 from pathlib import Path
 
@@ -21,33 +19,10 @@ import ml_dtypes
 import numpy as np
 from safetensors import safe_open
 
-_DTYPES = {np.dtype(np.float32): "F32", np.dtype(ml_dtypes.bfloat16): "BF16", np.dtype(np.int64): "I64",
-           np.dtype(np.int32): "I32", np.dtype(np.bool_): "BOOL", np.dtype(np.float16): "F16"}
-
 
 def read_tensors(path: Path) -> dict:
     with safe_open(str(path), framework="numpy") as f:
         return {name: f.get_tensor(name) for name in f.keys()}
-
-
-def write_safetensors(path: Path, tensors: dict):
-    """The safetensors layout (a little-endian u64 header length, a JSON header of dtype, shape and byte
-    offsets, then the data), written directly: numpy has no bfloat16 for safetensors' numpy writer."""
-    assert sys.byteorder == "little", "safetensors data is little-endian"
-    header, offset, blobs = {}, 0, []
-    for name, array in tensors.items():
-        blob = np.ascontiguousarray(array).tobytes()
-        header[name] = {"dtype": _DTYPES[array.dtype], "shape": list(array.shape),
-                        "data_offsets": [offset, offset + len(blob)]}
-        offset += len(blob)
-        blobs.append(blob)
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)   # the data starts 8-byte aligned
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(text)))
-        f.write(text)
-        for blob in blobs:
-            f.write(blob)
 
 
 def to_bf16(src: Path, dst: Path):
@@ -55,9 +30,10 @@ def to_bf16(src: Path, dst: Path):
     for extra in src.iterdir():
         if extra.is_file() and extra.name != "model.safetensors":
             shutil.copy2(extra, dst / extra.name)
-    tensors = read_tensors(src / "model.safetensors")
-    write_safetensors(dst / "model.safetensors", {
-        name: a.astype(ml_dtypes.bfloat16) if a.dtype == np.float32 else a for name, a in tensors.items()})
+    import torch   # numpy has no bfloat16 for safetensors' numpy writer (gguf_to_hf.py writes through torch too)
+    from safetensors.torch import save_file
+    save_file({name: torch.from_numpy(a).to(torch.bfloat16) if a.dtype == np.float32 else torch.from_numpy(a)
+               for name, a in read_tensors(src / "model.safetensors").items()}, str(dst / "model.safetensors"))
 
 
 def check(src: Path, dst: Path) -> bool:
