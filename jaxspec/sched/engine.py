@@ -127,6 +127,7 @@ class Engine:
         # Start-up phases in seconds: the engine built (KV pool allocated, params placed), the compiles it waited for.
         self.startup = {"engine_s": time.perf_counter() - t_start, "compile_blocking_s": 0.0}
         self._compiling = False   # background compiles run: steps use compiled buckets only (_follow_compiles)
+        self._serving_variants = list(WARM_VARIANTS)   # the full-width variants warmup() compiles (_follow_compiles)
         if self.warmup_mode != "none":
             t0 = time.perf_counter()
             self.warmup()
@@ -475,7 +476,7 @@ class Engine:
         bucket's full-width programs now without autotuning and the rest in the background. `sample`: only the
         greedy (False) or only the random (True) variants (a greedy benchmark compiles half); None: both."""
         runner, variants = self.runner, self._warm_variants(sample)
-        self._serving_variants = [v for v in variants if v.drafts is None]   # what _follow_compiles waits for
+        self._serving_variants = [v for v in variants if v.drafts is None]
         if self.warmup_mode == "tiered":
             # the smallest bucket at the full draft width (adaptive k starts there); programs the store holds
             # tuned load at their tuned tier at once
