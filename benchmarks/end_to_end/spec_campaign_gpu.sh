@@ -8,6 +8,7 @@
 #                                                                       # then the packed step's kernels
 #   SECONDS_EACH=120 bash benchmarks/end_to_end/spec_campaign_gpu.sh OUT train chain parallel
 #   STEPS=900 SECONDS_EACH=1000 bash ...  OUT train chain    # a fixed step count: the same head again next session
+#   BATCH=4 STEPS=1800 TAG=-b4 SECONDS_EACH=1000 bash ...  OUT train chain   # a variant beside it, in $D/chain-b4
 #   bash benchmarks/end_to_end/spec_campaign_gpu.sh OUT bench "1 8 32 64" none chain:eagle3@4=chain parallel:eagle3@4=parallel
 #   bash benchmarks/end_to_end/spec_campaign_gpu.sh OUT vllm chain 1 8 32 64   # vLLM 0.26's EAGLE-3, the same head
 #   bash benchmarks/end_to_end/spec_campaign_gpu.sh OUT send-heads 0 chain parallel   # then 1, 2, ...: the heads
@@ -55,11 +56,12 @@ train)
   have_regen
   N=$(python3 -c "import json; print(len(json.load(open('$D/regen.json'))))")
   for ARCH in "$@"; do
-    rm -rf $D/$ARCH
-    env $TRAIN_ENV python3 -m jaxspec.train.cli --model $M --out $D/$ARCH --dataset-path $D/regen.json \
+    H=$ARCH${TAG:-}   # TAG: a variant's heads beside the default ones (BATCH=4 STEPS=1800 TAG=-b4 -> $D/chain-b4)
+    rm -rf $D/$H
+    env $TRAIN_ENV python3 -m jaxspec.train.cli --model $M --out $D/$H --dataset-path $D/regen.json \
       --num-conversations $((N - 64)) --num-held-out 64 --arch $ARCH --batch-size ${BATCH:-8} --steps ${STEPS:-100000} \
-      --max-seconds ${SECONDS_EACH:-120} --save-every 2000 2>&1 | quiet $OUT/train_$ARCH.log
-    cp $D/$ARCH/training.json $OUT/training_$ARCH.json
+      --max-seconds ${SECONDS_EACH:-120} --save-every 2000 2>&1 | quiet $OUT/train_$H.log
+    cp $D/$H/training.json $OUT/training_$H.json
   done ;;
 bench)
   CONC=$1; shift
