@@ -37,7 +37,8 @@ have_regen() {
 # the trainer replays no decode step: XLA's own command-buffer mode (jaxspec.xla_flags.release_update_mode)
 TRAIN_ENV="XLA_FLAGS=--xla_gpu_enable_triton_gemm=false JAXSPEC_COMMAND_BUFFER_UPDATE_MODE=default"
 
-cp .gpu/*.json $D/ 2>/dev/null
+# only what is missing: two jobs side by side (one per GPU) must not rewrite a file the other is reading
+for f in .gpu/*.json; do [ -e $D/${f##*/} ] || cp $f $D/; done
 
 case $STEP in
 regen)
@@ -106,5 +107,6 @@ send-heads)
 heads-from)
   # Heads brought back by send-heads and staged again (device_stage.py split heads.tar): unpacked under $D.
   tar -xf ${1:-/tmp/models/heads.tar} -C $D --strip-components 1 && ls $D ;;
-*) echo "unknown step $STEP: regen, before, train, bench, vllm, send-heads, heads-from"; exit 2 ;;
+setup) ls $D ;;   # the gguf package and the prompts in place, before two jobs start side by side
+*) echo "unknown step $STEP: setup, regen, before, train, bench, vllm, send-heads, heads-from"; exit 2 ;;
 esac
