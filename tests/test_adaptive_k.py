@@ -376,6 +376,32 @@ def test_measured_times_with_warmup_compile_nothing_new(target, drafters):  # no
     assert sum(stats["spec"]["chosen_k"]) >= 10
 
 
+def test_a_programs_first_runs_are_not_timed(target, monkeypatch):  # noqa: F811
+    """The chooser gets no time for a step whose program ran fewer than UNTIMED_RUNS times before it (on a GPU its
+    command buffer is recorded then: a pair measured once on such a run kept a slow time while unpicked), and the
+    time of every later run."""
+    from jaxspec.decode.runner import UNTIMED_RUNS
+    llm = spec_llm(target, "ngram", warmup=True)
+    runner, chooser = llm.engine.runner, llm.engine.k_chooser
+    keys, timed = [], []   # the program of each step, by step number; (step, seconds) as the chooser got them
+    run_packed, observe = runner.run_packed, chooser.observe
+
+    def spy_run(T, variant, buf, grammar_table=None):
+        keys.append(runner.program_key(T, variant, grammar_table))
+        return run_packed(T, variant, buf, grammar_table)
+
+    def spy_observe(step, rows, time):
+        timed.append((step, time[2]))
+        observe(step, rows, time)
+    monkeypatch.setattr(runner, "run_packed", spy_run)
+    monkeypatch.setattr(chooser, "observe", spy_observe)
+    llm.generate([prompt_of(6, 20), prompt_of(11, 21)], SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
+    assert llm.stats()["recompiles"] == 0
+    first = [(step, keys[:step].count(keys[step]) < UNTIMED_RUNS) for step, _ in timed]
+    assert [seconds is None for _, seconds in timed] == [f for _, f in first]
+    assert sum(f for _, f in first) >= 4 and sum(not f for _, f in first) >= 10
+
+
 def test_greedy_warmup_compiles_every_width_of_the_greedy_step_only(target, monkeypatch):  # noqa: F811
     """engine.warmup(sample=False) (a greedy benchmark's warm-up): every draft width of the greedy step, for every
     bucket, and no sampling step; sample=None: both."""

@@ -295,3 +295,24 @@ def test_the_report_of_an_engine_without_warm_up(capsys):
                   "recompiles": None, "ttft_ms": stats, "tpot_ms": stats, "itl_ms": stats})
     row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("Recompiles after warm-up"))
     assert row.split()[-1] == "-"
+
+
+def test_saturated_throughput_counts_the_tokens_before_the_last_request_is_sent():
+    """Closed loop at concurrency 2, three requests: the third is sent when the second finishes (t = 2.5 s). Until
+    then two requests were in flight; the tokens that arrived by then over those 2.5 s is the saturated rate (the
+    drain after it, C alone, is left out). Paced arrivals, no more requests than the concurrency, and chunks
+    without token counts (HTTP) give nothing."""
+    from jaxspec.bench.online import Sent, saturated_throughput
+
+    def sent(at, times, counts):
+        return Sent(4, sum(counts), times[0] - at, times, times[-1] - at, None, "", "length", at, counts)
+    a = sent(0.0, [1.0, 2.0, 3.0], [2, 1, 1])
+    b = sent(0.0, [1.5, 2.5], [3, 1])
+    c = sent(2.5, [3.5, 4.5], [1, 1])
+    got = saturated_throughput([a, b, c], 0.0, float("inf"), 2)
+    assert got == {"saturated_s": 2.5, "saturated_output_throughput": (2 + 1 + 3 + 1) / 2.5}
+    assert saturated_throughput([a, b, c], 0.0, 40.0, 2) == {}
+    assert saturated_throughput([a, b], 0.0, float("inf"), 2) == {}
+    http = sent(2.5, [3.5, 4.5], [1, 1])
+    http.chunk_tokens = None
+    assert saturated_throughput([a, b, http], 0.0, float("inf"), 2) == {}

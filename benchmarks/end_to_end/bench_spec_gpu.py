@@ -170,7 +170,8 @@ def main():
         print(f"{label}: engine built in {time.perf_counter() - t0:.0f} s", flush=True)
         for wname, prompts in workloads.items():
             for c, n in zip(args.concurrency, num_prompts):
-                sessions = [[turn] for turn in prompts[:n]]
+                # the workload's prompts again from its first where n asks for more (HumanEval holds 164)
+                sessions = [[prompts[i % len(prompts)]] for i in range(n)]
                 run_args = types.SimpleNamespace(temperature=0.0, ignore_eos=args.ignore_eos, seed=0,
                                                  request_rate=float("inf"), max_concurrency=c, quiet=True,
                                                  structured=structured, structured_report=structured_report)
@@ -200,23 +201,33 @@ def main():
                            f" chosen k {r['spec']['chosen_k']}" if spec else "")
                     valid = (f"  valid {r['structured_outputs']['valid_outputs']}/{r['requests']}"
                              if "structured_outputs" in r else "")
-                    print(f"{r['label']:<44} {r['output_throughput']:8.1f} tok/s  TPOT {r['tpot_ms']['mean']:.2f} ms"
+                    sat = (f"  saturated {r['saturated_output_throughput']:.1f} tok/s over {r['saturated_s']:.2f} s"
+                           if "saturated_output_throughput" in r else "")
+                    print(f"{r['label']:<44} {r['output_throughput']:8.1f} tok/s{sat}  TPOT {r['tpot_ms']['mean']:.2f} ms"
                           f"  {r['output_tokens']} tokens  digest {r.get('output_digest')}{valid}"
                           f"  compiled during run {r['compiled_during_run']}  (warm {warm_s:.0f} s){acc}", flush=True)
                 with open(args.json, "w") as f:
                     json.dump(results, f, indent=1, default=float)
         del llm, engine
         gc.collect()
-    median = {}   # label -> the median tokens/s of its repeats
+    median, saturated = {}, {}   # label -> the median tokens/s of its repeats (whole run; saturated part)
     for r in results:
         median.setdefault(r["label"], []).append(r["output_throughput"])
+        if "saturated_output_throughput" in r:
+            saturated.setdefault(r["label"], []).append(r["saturated_output_throughput"])
     median = {k: float(np.median(v)) for k, v in median.items()}
+    saturated = {k: float(np.median(v)) for k, v in saturated.items()}
     for label, tps in median.items():
         method, rest = label.split("/", 1)
         plain = median.get(f"none/{rest}")
         line = f"{label:<44} {tps:8.1f} tok/s (median of {args.repeat})"
         if plain and method != "none":
             line += f"  {tps / plain:.3f}x plain"
+        if label in saturated:
+            sat_plain = saturated.get(f"none/{rest}")
+            line += f"  saturated {saturated[label]:.1f} tok/s"
+            if sat_plain and method != "none":
+                line += f"  {saturated[label] / sat_plain:.3f}x plain"
         if f"{label}/unconstrained" in median:
             line += f"  {tps / median[label + '/unconstrained']:.3f}x unconstrained"
         print(line)

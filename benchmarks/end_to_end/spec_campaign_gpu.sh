@@ -70,7 +70,7 @@ bench)
   for m in "$@"; do
     case $m in *=*) METHODS="$METHODS --method ${m%%=*}=$D/${m#*=}";; *) METHODS="$METHODS --method $m";; esac
   done
-  NP=$(for c in $CONC; do echo $(( c < 4 ? 6 : 2 * c )); done)
+  NP=$(for c in $CONC; do echo $(( c < 2 ? 8 : 4 * c )); done)   # 4 x c: the saturated part is 3/4 of a run
   python3 benchmarks/end_to_end/bench_spec_gpu.py --model $M --concurrency $CONC --num-prompts $NP \
     --workload humaneval=$D/humaneval.json --workload sharegpt=$D/sharegpt_heldout.json $METHODS \
     --repeat ${REPEAT:-3} --json $OUT/bench.json 2>&1 | quiet $OUT/bench.log 80 ;;

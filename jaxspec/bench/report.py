@@ -18,6 +18,8 @@ def print_report(r: dict):
             ("Engine steps", r.get("steps", "-")),
             # None: the engine ran no warm-up (--warmup none), so nothing counts as a recompile
             ("Recompiles after warm-up", "-" if r.get("recompiles") is None else r["recompiles"])]
+    if "saturated_output_throughput" in r:   # while max_concurrency requests were in flight (online.py)
+        rows.insert(6, ("Saturated output throughput (tok/s)", f"{r['saturated_output_throughput']:.2f}"))
     if np.isfinite(r.get("request_rate", float("inf"))):
         rows.insert(1, ("Request rate (req/s, Poisson)", f"{r['request_rate']:.2f}"))
     if "output_len" in r:

@@ -83,6 +83,11 @@ def _spec(a) -> jax.ShapeDtypeStruct:
 # Token ids a history write carries per dispatch: one program for every prefix length (a length-dependent shape
 # would compile anew the first time a cached prefix of each size arrives: ~0.4 s of TTFT on an H100)
 HISTORY_CHUNK = 256
+# A program's first runs are no measure of its step's time: on a GPU XLA records the step's command buffer (a CUDA
+# graph) on its first run and, in the SKIP_PROFILED update mode (jaxspec.xla_flags), learns over its first runs which
+# allocations move. Adaptive k times each (draft width, bucket) from a few steps; a first run counted there stays in
+# a pair's average until the pair is picked again, which for a pair slowed that way may be never.
+UNTIMED_RUNS = 2
 
 
 def _write_history(state, slot, ids, start, n):
@@ -142,6 +147,10 @@ class ModelRunner:
         self._last_grammar: dict[int, object] = {}   # the grammar table each bucket's last live step read
         self.issue_seconds: collections.deque[float] = collections.deque(maxlen=4096)
         self.last_run_compiled = False   # the last `run` compiled its step (its time is no measure of the step)
+        self._runs: collections.Counter = collections.Counter()   # runs per program key
+        # the last `run` compiled its step or ran its program for one of the first UNTIMED_RUNS times: either way
+        # its time is no measure of the step (adaptive k times its steps)
+        self.last_run_untimed = False
         # What the programs take, as shapes, dtypes and placements: compiles on another thread never touch the
         # live (donated) state.
         self._arg_specs = jax.tree_util.tree_map(_spec, (self.params, self.drafter_params, self.state))
@@ -260,11 +269,15 @@ class ModelRunner:
     def run_packed(self, T: int, variant: StepVariant, buf: np.ndarray, grammar_table=None) -> dict:
         """`run` from the packed inputs of bucket T: what a follower process runs (jaxspec.distributed)."""
         self.last_run_compiled = False   # step_fn sets it when it compiles
+        key = self.program_key(T, variant, grammar_table)
+        first_runs = self._runs[key] < UNTIMED_RUNS
+        self._runs[key] += 1
         if self.mirror is not None:
             if grammar_table is not None:   # its tables live on the leader's devices alone
                 raise ValueError("structured outputs are not supported by an engine across processes")
             self.mirror("run_packed", T, variant, buf)
         out = self._issue(T, variant, buf, grammar_table)
+        self.last_run_untimed = first_runs or self.last_run_compiled
         for array in out.values():
             array.copy_to_host_async()
         self.last_inputs[T] = (variant, buf)

@@ -9,7 +9,7 @@ rows(k) is how many of the B decoding rows fit the token budget at 1+k tokens ea
 tokens P (the next step's are not known when its drafts are proposed: this step's stand for them), T_k the token
 bucket of the step's rows(k) * (1+k) + P tokens and t(k, T) the measured device time of the step compiled for
 draft width k at bucket T (an exponential moving average; a pair not yet measured is tried for a few steps,
-smallest k first). Low acceptance makes every E(k) near 1, so the cheapest step (k = 0, plain decoding) wins; a
+smallest k first; a program's first runs and steps that compiled are no measure). Low acceptance makes every E(k) near 1, so the cheapest step (k = 0, plain decoding) wins; a
 large batch makes the step time grow with its tokens (and the budget fit fewer rows at 1+k), so k falls back
 toward 0 there too.
 
@@ -37,7 +37,10 @@ PRIOR_WEIGHT = 1.0        # the prior counts as this many observations
 DECAY = 0.99
 TIME_EMA = 0.25           # weight of a new step-time measurement
 OUTLIER = 3.0             # a measurement counts as at most this many times the average
-EXPLORE_STEPS = 3         # steps an unmeasured (k, bucket) is kept to measure it (exploring)
+# steps an unmeasured (k, bucket) is kept to measure it (exploring): the steps of width k are the 2nd to the last,
+# and a program's first two runs are no measure (jaxspec.decode.runner.UNTIMED_RUNS), so the 4th is the first
+# that can be, read two steps later
+EXPLORE_STEPS = 5
 EXPLORE_ATTEMPTS = 2      # explorations of a pair that stays unmeasured (its steps compiled) before giving up
 # Another k must promise this much more throughput to replace the current one: damping for the noise of measured
 # times and running estimates, nothing else. So it holds only while no k's token bucket (nor its share of the rows

@@ -56,7 +56,8 @@ class _InFlight:
     out: dict
     index: int = 0                 # the step's number (steps counted before it)
     dispatched: float = 0.0        # host clock when its dispatch began (the inputs' transfer)
-    compiled: bool = False         # its dispatch compiled the step (its time is no measure)
+    untimed: bool = False          # its dispatch compiled the step or ran a program for one of its first times
+                                   # (runner.UNTIMED_RUNS): its time is no measure
 
 
 class Engine:
@@ -326,7 +327,7 @@ class Engine:
             timings["build"] = timings.get("build", 0.0) + t1 - t0
             timings["issue"] = timings.get("issue", 0.0) + time.perf_counter() - t1
         self.counts.count_step(len(rows), plan.num_tokens, plan.bucket)
-        return _InFlight(plan, out, index, t1, self.runner.last_run_compiled)
+        return _InFlight(plan, out, index, t1, self.runner.last_run_untimed)
 
     def _process(self, rec: _InFlight, timings: dict | None = None) -> list[Request]:
         """Reads a dispatched step: each row's plan settled, its confirmed tokens appended, stops checked,
@@ -386,9 +387,9 @@ class Engine:
         start it (its dispatch began and the step before it was done) to when it was found ready."""
         start = rec.dispatched if self._last_ready is None else max(rec.dispatched, self._last_ready)
         self._last_ready = ready
-        # No measure when it compiled, or when the host compiled the step dispatched after it before reading
-        # it (async): the host then found it ready late.
-        seconds = None if rec.compiled or self.runner.last_run_compiled else ready - start
+        # No measure when it compiled or was one of its program's first runs, or when the host compiled the step
+        # dispatched after it before reading it (async): the host then found it ready late.
+        seconds = None if rec.untimed or self.runner.last_run_compiled else ready - start
         rows = [(row.num_drafts, int(accepted[r])) for r, row in enumerate(rec.plan.rows)
                 if row.num_drafts and not row.request.finished]
         self.k_chooser.observe(rec.index, rows, (rec.plan.draft_width, rec.plan.bucket, seconds))
