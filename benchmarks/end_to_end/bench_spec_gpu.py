@@ -210,24 +210,22 @@ def main():
                     json.dump(results, f, indent=1, default=float)
         del llm, engine
         gc.collect()
-    median, saturated = {}, {}   # label -> the median tokens/s of its repeats (whole run; saturated part)
-    for r in results:
-        median.setdefault(r["label"], []).append(r["output_throughput"])
-        if "saturated_output_throughput" in r:
-            saturated.setdefault(r["label"], []).append(r["saturated_output_throughput"])
-    median = {k: float(np.median(v)) for k, v in median.items()}
-    saturated = {k: float(np.median(v)) for k, v in saturated.items()}
+    def medians(key):   # label -> the median of its repeats' `key`
+        by_label = {}
+        for r in results:
+            if key in r:
+                by_label.setdefault(r["label"], []).append(r[key])
+        return {k: float(np.median(v)) for k, v in by_label.items()}
+
+    def against_plain(values, label, method, rest):
+        plain = values.get(f"none/{rest}")
+        return f"  {values[label] / plain:.3f}x plain" if plain and method != "none" else ""
+    median, saturated = medians("output_throughput"), medians("saturated_output_throughput")
     for label, tps in median.items():
         method, rest = label.split("/", 1)
-        plain = median.get(f"none/{rest}")
-        line = f"{label:<44} {tps:8.1f} tok/s (median of {args.repeat})"
-        if plain and method != "none":
-            line += f"  {tps / plain:.3f}x plain"
-        if label in saturated:
-            sat_plain = saturated.get(f"none/{rest}")
-            line += f"  saturated {saturated[label]:.1f} tok/s"
-            if sat_plain and method != "none":
-                line += f"  {saturated[label] / sat_plain:.3f}x plain"
+        line = f"{label:<44} {tps:8.1f} tok/s (median of {args.repeat})" + against_plain(median, label, method, rest)
+        if label in saturated:   # while the batch was full (jaxspec.bench.online.saturated_throughput)
+            line += f"  saturated {saturated[label]:.1f} tok/s" + against_plain(saturated, label, method, rest)
         if f"{label}/unconstrained" in median:
             line += f"  {tps / median[label + '/unconstrained']:.3f}x unconstrained"
         print(line)

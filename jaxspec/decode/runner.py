@@ -243,8 +243,8 @@ class ModelRunner:
         return (T, variant, (tree, tuple(a.shape for a in leaves)))
 
     def step_fn(self, T: int, variant: StepVariant, grammar_table=None):
-        """The compiled program of bucket T and this variant (the best tier compiled so far; compiled now at
-        `on_demand_tier` when there is none, and `last_run_compiled` set)."""
+        """The compiled program of bucket T and this variant, about to run (the best tier compiled so far; compiled
+        now at `on_demand_tier` when there is none, and `last_run_compiled` set; `last_run_untimed` set)."""
         key = self.program_key(T, variant, grammar_table)
         program = self.programs.get(key)
         if program is None:
@@ -253,6 +253,8 @@ class ModelRunner:
             self.compiled_on_demand += 1
             self.last_run_compiled = True
             program = self.programs.get(key)
+        self.last_run_untimed = self.last_run_compiled or self._runs[key] < UNTIMED_RUNS
+        self._runs[key] += 1
         return program
 
     def run(self, inputs: StepInputs, variant: StepVariant, grammar_table=None) -> dict:
@@ -269,15 +271,11 @@ class ModelRunner:
     def run_packed(self, T: int, variant: StepVariant, buf: np.ndarray, grammar_table=None) -> dict:
         """`run` from the packed inputs of bucket T: what a follower process runs (jaxspec.distributed)."""
         self.last_run_compiled = False   # step_fn sets it when it compiles
-        key = self.program_key(T, variant, grammar_table)
-        first_runs = self._runs[key] < UNTIMED_RUNS
-        self._runs[key] += 1
         if self.mirror is not None:
             if grammar_table is not None:   # its tables live on the leader's devices alone
                 raise ValueError("structured outputs are not supported by an engine across processes")
             self.mirror("run_packed", T, variant, buf)
         out = self._issue(T, variant, buf, grammar_table)
-        self.last_run_untimed = first_runs or self.last_run_compiled
         for array in out.values():
             array.copy_to_host_async()
         self.last_inputs[T] = (variant, buf)
