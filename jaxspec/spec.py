@@ -20,6 +20,10 @@ class SpeculativeConfig:
     # The host picks k in 0..num_speculative_tokens for each step from the running per-position acceptance
     # and the measured step time of each compiled k (jaxspec.sched.adaptive); False: every step drafts k.
     adaptive: bool = False
+    # A draft model's placement under tensor parallelism (vLLM's field of the same name): None, or the engine's
+    # tensor_parallel_size, splits it over the devices as the target is; 1 keeps it whole on every device, which
+    # runs its forwards with no all-reduce (each of its k forwards per step otherwise pays two per layer).
+    draft_tensor_parallel_size: int | None = None
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -29,6 +33,10 @@ class SpeculativeConfig:
             raise ValueError(f"num_speculative_tokens={k!r} is invalid; it must be an int in [1, {MAX_SPEC_TOKENS}]")
         if not isinstance(self.adaptive, bool):
             raise ValueError(f"adaptive={self.adaptive!r} is invalid; it must be True or False")
+        d = self.draft_tensor_parallel_size
+        if d is not None and (not isinstance(d, int) or isinstance(d, bool) or d < 1):
+            raise ValueError(f"draft_tensor_parallel_size={d!r} is invalid; give 1 (the draft model whole on every "
+                             "device) or the engine's tensor_parallel_size, or leave it unset")
         if self.draft_sampling not in ("argmax", "sample"):
             raise ValueError(f"draft_sampling={self.draft_sampling!r} is invalid; choose 'argmax' or 'sample'")
         if self.method == "ngram":

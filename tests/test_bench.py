@@ -6,6 +6,7 @@ import jsonschema
 import pytest
 
 from jaxspec.bench import main
+from jaxspec.bench.measure import HBM_BANDWIDTH
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PERSON = os.path.join(REPO, "benchmarks", "schemas", "person.json")   # the default schema of the GPU runs
@@ -79,9 +80,27 @@ def test_steady_state_reports_bubble_roofline_and_speedup_bound(tmp_path, json_m
         for st in r["steady"]:
             assert st["device_step_ms"] > 0 and st["wall_step_ms"] > 0 and 0 < st["device_busy"] <= 1
             assert 0 < st["roofline_fraction"] and st["mean_context"] > 16   # the rows kept decoding
+            assert st["hbm_bandwidth"] == HBM_BANDWIDTH   # off a GPU: an H100's
     for r in results[2:]:
         assert [b["batch"] for b in r["speedup_bound"]] == [1, 2]
         assert all(b["bound"] > 0 and b["of_bound"] > 0 for b in r["speedup_bound"])
+
+
+def test_the_roofline_takes_the_gpus_own_bandwidth(monkeypatch):
+    """On a GPU the roofline divides by that GPU's measured copy bandwidth (once per kind of GPU), unless
+    --hbm-bandwidth names one; the copy's bytes are those read plus those written."""
+    import jax
+    from jaxspec.bench import measure
+    kinds = iter(["NVIDIA H200", "NVIDIA H200", "NVIDIA H100 80GB HBM3"])
+    measured = []
+    gpu = lambda: [type("D", (), {"platform": "gpu", "device_kind": next(kinds)})()]   # noqa: E731
+    monkeypatch.setattr(jax, "devices", gpu)
+    monkeypatch.setattr(measure, "_measured_bandwidth", {})
+    monkeypatch.setattr(measure, "copy_bandwidth", lambda: measured.append(1) or 4.0e12 + len(measured))
+    assert [measure.hbm_bandwidth(None) for _ in range(3)] == [4.0e12 + 1, 4.0e12 + 1, 4.0e12 + 2]
+    assert measure.hbm_bandwidth(1.5e12) == 1.5e12
+    monkeypatch.undo()
+    assert 0 < measure.copy_bandwidth(num_bytes=1 << 20, passes=2, repeats=2) < 1e15
 
 
 def test_poisson_arrivals_on_a_shared_prefix_match_the_offline_run(tmp_path, json_model_dir):

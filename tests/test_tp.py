@@ -19,6 +19,7 @@ from jaxspec import LLM, SamplingParams
 TP_ENGINE = dict(dtype="float32", max_num_seqs=4, max_model_len=48, max_num_batched_tokens=8, block_size=4,
                  num_kv_blocks=14, warmup=False)
 PROMPTS = [prompt_of(n, 200 + n) for n in (3, 11, 17, 22)]
+TP_ENGINE_SPEC = dict(TP_ENGINE, num_kv_blocks=32)
 
 
 def tokens_and_logprobs(llm, prompts, **params):
@@ -92,6 +93,59 @@ def test_speculation_under_tensor_parallelism(target, drafters, method):
                              for o in outs]
         assert llm.stats()["spec"]["accepted_tokens"] > 0 and llm.stats()["num_preemptions"] == 0
     assert all(r == results[1, True] for r in results.values())
+
+
+def all_reduces(llm) -> int:
+    """The all-reduces in the compiled greedy step of the engine's smallest token bucket."""
+    import re
+    from jaxspec.decode.compiler import TUNED
+    from jaxspec.decode.step import StepVariant
+    runner = llm.engine.runner
+    key = runner.program_key(runner.token_buckets[0], StepVariant())
+    text = runner._lower_program(key, TUNED)[0].compile().as_text()
+    return len(re.findall(r"= \S+ all-reduce(?:-start)?\(", text))
+
+
+def test_a_draft_model_whole_on_each_device(target, drafters):
+    """draft_tensor_parallel_size=1 over two devices: the draft model's params and KV pages whole on each device,
+    its forwards free of collectives (the step has the all-reduces of an n-gram step, whose drafter has no model,
+    and fewer than with the draft model split), and one device's tokens and draft counts, greedy and seeded
+    sampling, with drafts accepted (async and sync)."""
+    params = [SamplingParams(temperature=0.7, seed=60 + i, max_tokens=16) for i in range(2)] + [
+        SamplingParams(temperature=0, max_tokens=16)]
+    prompts = [prompt_of(n, 230 + n) for n in (5, 10)] + [RECURRING]
+    whole = dict(speculative_config=dict(method="draft_model", model=drafters["draft_model"], num_speculative_tokens=3,
+                                         draft_tensor_parallel_size=1))
+    results = {}
+    for tp, mode in [(1, True), (2, True), (2, False)]:
+        llm = LLM(target, **TP_ENGINE_SPEC, tensor_parallel_size=tp, async_scheduling=mode, **whole)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        results[tp, mode] = [(o.token_ids, o.metrics["num_draft_tokens"], o.metrics["num_accepted_tokens"])
+                             for o in outs]
+        assert llm.stats()["spec"]["accepted_tokens"] > 0
+    assert results[2, True] == results[1, True] and results[2, False] == results[1, True]
+    runner = llm.engine.runner
+    assert all(a.sharding.is_fully_replicated for a in jax.tree_util.tree_leaves(runner.drafter_params))
+    assert all(a.sharding.is_fully_replicated for a in jax.tree_util.tree_leaves(runner.state.drafter))
+    assert runner.params["layers"]["attention"]["gate_up_proj"].sharding.spec == P(None, "tp")   # the target split
+    split = LLM(target, **TP_ENGINE_SPEC, tensor_parallel_size=2, speculative_config=dict(
+        method="draft_model", model=drafters["draft_model"], num_speculative_tokens=3))
+    ngram = LLM(target, **TP_ENGINE_SPEC, tensor_parallel_size=2, speculative_config=dict(
+        method="ngram", num_speculative_tokens=3))
+    assert all_reduces(llm) == all_reduces(ngram) < all_reduces(split)
+
+
+def test_draft_placements_that_are_not_offered_are_refused(target, drafters):
+    for spec, tp, message in [
+            (dict(method="draft_model", draft_tensor_parallel_size=3), 2,
+             r"draft_tensor_parallel_size=3 is invalid with tensor_parallel_size=2; give 1 .* or 2 \(split"),
+            (dict(method="eagle3", draft_tensor_parallel_size=1), 2,
+             r"draft_tensor_parallel_size=1 is implemented for method 'draft_model' only; the 'eagle3' drafter"),
+            (dict(method="draft_model", draft_tensor_parallel_size=0), 1,
+             r"draft_tensor_parallel_size=0 is invalid; give 1")]:
+        with pytest.raises(ValueError, match=message):
+            LLM(target, **TP_ENGINE_SPEC, tensor_parallel_size=tp,
+                speculative_config=dict(spec, model=drafters[spec["method"]], num_speculative_tokens=3))
 
 
 def test_invalid_tensor_parallel_sizes_are_refused(target):

@@ -10,12 +10,19 @@ export JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache JAX_PERSISTENT_CACHE_MIN_COMPILE_
 # buckets and the greedy variant it uses, not every bucket's greedy and sampling programs at both tiers (on
 # 2026-11-27 the TP=2 run with the draft did not finish compiling those in 260 s). The steady-state step is a replay
 # of a compiled bucket either way; the offline run's tok/s before it then includes compiles (not reported from here).
-# TPS="1 2 4" on four GPUs.
+# TPS="1 2 4" on four GPUs. Each TP > 1 runs the draft split as the target is (tpN_draft) and whole on every GPU
+# (tpN_draftwhole: draft_tensor_parallel_size 1, its forwards with no all-reduce).
+DRAFT='"method": "draft_model", "model": "llama-3.2-1b", "num_speculative_tokens": 4'
+bench() {   # bench TAG TP [ARGS...]
+  local tag=$1 tp=$2; shift 2
+  python3 -m jaxspec.bench --model llama-3.1-8b --random-weights --dtype bfloat16 --tensor-parallel-size "$tp" \
+    --input-len 128 --output-len 128 --num-prompts 32 --max-concurrency 32 --max-model-len 1024 \
+    --steady-state 1 8 32 --warmup "${WARMUP:-none}" --quiet --json "$OUT/$tag.json" "$@"
+}
 for tp in ${TPS:-1 2}; do
-  for spec in "" "--spec-method draft_model --draft-model llama-3.2-1b --num-spec-tokens 4"; do
-    tag=tp${tp}${spec:+_draft}
-    python3 -m jaxspec.bench --model llama-3.1-8b --random-weights --dtype bfloat16 --tensor-parallel-size $tp \
-      --input-len 128 --output-len 128 --num-prompts 32 --max-concurrency 32 --max-model-len 1024 \
-      --steady-state 1 8 32 --warmup ${WARMUP:-none} $spec --quiet --json "$OUT/$tag.json"
-  done
+  bench "tp$tp" "$tp"
+  bench "tp${tp}_draft" "$tp" --speculative-config "{$DRAFT}"
+  if [ "$tp" -gt 1 ]; then
+    bench "tp${tp}_draftwhole" "$tp" --speculative-config "{$DRAFT, \"draft_tensor_parallel_size\": 1}"
+  fi
 done

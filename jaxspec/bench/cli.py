@@ -114,7 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also measure steady-state decode step time, device-busy fraction and HBM roofline "
                         "at these batch sizes (unconstrained requests, also with --structured-*)")
     p.add_argument("--steady-steps", type=int_at_least(1), default=32)
-    p.add_argument("--hbm-bandwidth", type=positive_float(), default=HBM_BANDWIDTH, help="bytes/s for the roofline")
+    p.add_argument("--hbm-bandwidth", type=positive_float(), default=None,
+                   help="bytes/s for the roofline (default: this GPU's measured device-to-device copy; off a GPU "
+                        f"{HBM_BANDWIDTH:.3g}, an H100's)")
     p.add_argument("--baseline", choices=["hf", "vllm"],
                    help="also run the prompts through transformers (hf) or vLLM's offline LLM (vllm: the same "
                         "token ids, lengths, batch size, sampling and speculation, in a process of its own)")

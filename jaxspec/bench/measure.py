@@ -10,7 +10,8 @@ import numpy as np
 from jaxspec.bench.outputs import output_digest, output_summary
 from jaxspec.bench.workloads import Workload
 
-HBM_BANDWIDTH = 2.98e12  # bytes/s, device-to-device copy measured on the H100 these numbers are taken on
+HBM_BANDWIDTH = 2.98e12  # bytes/s, an H100's device-to-device copy: the roofline's bandwidth off a GPU
+_measured_bandwidth: dict = {}
 
 
 def _pct(xs, q):
@@ -23,6 +24,40 @@ def decode_bytes(engine, batch: int, context: int) -> int:
     roofline is one GPU's bytes against one GPU's bandwidth."""
     runner = engine.runner
     return runner.weight_bytes(per_device=True) + runner.kv_bytes_per_token(per_device=True) * context * batch
+
+
+def hbm_bandwidth(given: float | None) -> float:
+    """Bytes/s for the roofline: `given` (--hbm-bandwidth), else this GPU's own device-to-device copy bandwidth
+    (measured once per process: an H200's is not an H100's), else HBM_BANDWIDTH off a GPU."""
+    import jax
+    if given is not None:
+        return given
+    device = jax.devices()[0]
+    if device.platform != "gpu":
+        return HBM_BANDWIDTH
+    if device.device_kind not in _measured_bandwidth:
+        _measured_bandwidth[device.device_kind] = copy_bandwidth()
+    return _measured_bandwidth[device.device_kind]
+
+
+def copy_bandwidth(num_bytes: int = 1 << 28, passes: int = 10, repeats: int = 5) -> float:
+    """Bytes/s of an elementwise pass over a `num_bytes` array into another on the default device: bytes read plus
+    bytes written over the pass's time (as CUDA's bandwidthTest counts a device-to-device copy). `passes` are issued
+    back to back (no launch gap between them), the fastest of `repeats` such runs; 256 MiB keeps it small beside an
+    engine's KV pool."""
+    import jax
+    import jax.numpy as jnp
+    x = jnp.zeros(num_bytes // 4, jnp.float32)
+    bump = jax.jit(lambda a: a + 1.0)
+    jax.block_until_ready(bump(x))
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(passes):
+            y = bump(x)
+        jax.block_until_ready(y)
+        best = min(best, (time.perf_counter() - t0) / passes)
+    return 2 * num_bytes / best
 
 
 def device_step_time(engine, num_tokens: int, repeats: int = 20) -> float:
@@ -120,10 +155,12 @@ def steady_state(llm, args, batch: int) -> dict:
         engine.abort(r.request_id)
     while engine.has_unfinished():
         engine.step()
-    bound = decode_bytes(engine, batch, context) / args.hbm_bandwidth
+    bandwidth = hbm_bandwidth(args.hbm_bandwidth)
+    bound = decode_bytes(engine, batch, context) / bandwidth
     return {"batch": batch, "async": engine.config.async_scheduling, "wall_step_ms": 1e3 * wall,
             "device_step_ms": 1e3 * device, "device_busy": min(1.0, device / wall),
-            "hbm_bound_ms": 1e3 * bound, "roofline_fraction": bound / device, "mean_context": context,
+            "hbm_bound_ms": 1e3 * bound, "hbm_bandwidth": bandwidth, "roofline_fraction": bound / device,
+            "mean_context": context,
             "bucket_tokens": engine.runner.bucket_for(batch * (1 + k)),
             "argument_buffers": engine.runner.argument_buffers(),
             "host_issue_ms": 1e3 * float(np.median(issue))}

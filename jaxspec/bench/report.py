@@ -53,6 +53,7 @@ def print_report(r: dict):
                       f"{st['device_step_ms']:.3f} device"),
                      (f"Device busy, batch {st['batch']} (%)", f"{100 * st['device_busy']:.1f}"),
                      (f"HBM roofline, batch {st['batch']} (%)", f"{100 * st['roofline_fraction']:.1f}")]
+        rows.append(("HBM bandwidth for the roofline (TB/s)", f"{r['steady'][0]['hbm_bandwidth'] / 1e12:.2f}"))
     for name, value in rows:
         print(f"{name:<40}{value:>20}")
     print(line)

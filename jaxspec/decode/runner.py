@@ -111,10 +111,13 @@ class ModelRunner:
         if self.tp is not None:
             tp = self.tp
             self.params = jax.device_put(self.params, tp.shardings(self.target.param_schema(), PARAM_RULES))
+            # a drafter kept whole on each device (SpeculativeConfig.draft_tensor_parallel_size=1): no axis split
+            whole = getattr(drafter, "whole_on_each_device", False)
             if drafter_params is not None:
-                self.drafter_params = jax.device_put(drafter_params, tp.shardings(drafter.param_schema(), PARAM_RULES))
+                self.drafter_params = jax.device_put(
+                    drafter_params, tp.shardings(drafter.param_schema(), () if whole else PARAM_RULES))
             self.state_shardings = DecodeState(**tp.shardings(state_schema(self.target, step_config), STATE_RULES),
-                                               drafter=tp.shardings(drafter_schema, STATE_RULES)
+                                               drafter=tp.shardings(drafter_schema, () if whole else STATE_RULES)
                                                if drafter_schema is not None else None)
             self.state = jax.device_put(self.state, self.state_shardings)
             self.input_sharding = tp.replicated

@@ -77,7 +77,11 @@ class Engine:
             model, drafter, drafter_params = self._quantize(config.quantization, model, drafter, drafter_params)
             self.model = model
         draft_configs = [drafter.config] if drafter is not None and hasattr(drafter, "config") else []
-        tp = TensorParallel.create(config.tensor_parallel_size, [mc, *draft_configs])
+        whole_draft = self._draft_whole_on_each_device(spec, config.tensor_parallel_size)
+        # a draft model kept whole on each device is not split: its widths need not divide by the devices
+        tp = TensorParallel.create(config.tensor_parallel_size, [mc] if whole_draft else [mc, *draft_configs])
+        if whole_draft:
+            drafter.whole_on_each_device = True
         num_blocks = config.num_blocks(mc, -(-max_model_len // config.block_size), model.params["embed"].dtype, tp)
         K = spec.num_speculative_tokens if spec else 0
         self.step_config = StepConfig(block_size=config.block_size, num_blocks=num_blocks,
@@ -133,6 +137,24 @@ class Engine:
             t0 = time.perf_counter()
             self.warmup()
             self.startup["compile_blocking_s"] = time.perf_counter() - t0
+
+    @staticmethod
+    def _draft_whole_on_each_device(spec, tensor_parallel_size: int) -> bool:
+        """Whether the drafter runs whole on every device (SpeculativeConfig.draft_tensor_parallel_size=1 under
+        tensor parallelism); a ValueError names a placement that is not offered."""
+        d = spec.draft_tensor_parallel_size if spec is not None else None
+        if d is None or d == tensor_parallel_size:
+            return False
+        if d != 1:
+            split = f" or {tensor_parallel_size} (split as the target is)" if tensor_parallel_size > 1 else ""
+            raise ValueError(f"draft_tensor_parallel_size={d} is invalid with tensor_parallel_size="
+                             f"{tensor_parallel_size}; give 1 (the draft model whole on every device){split}, or "
+                             "leave it unset")
+        if spec.method != "draft_model":
+            raise ValueError(f"draft_tensor_parallel_size=1 is implemented for method 'draft_model' only; the "
+                             f"{spec.method!r} drafter reads the target's split weights and is split with it: give "
+                             f"{tensor_parallel_size} or leave it unset")
+        return True
 
     @staticmethod
     def _quantize(scheme: str, model, drafter, drafter_params):

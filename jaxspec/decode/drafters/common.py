@@ -5,8 +5,11 @@ sentinel slot that KV writes drop).
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from jaxspec.decode import sampling
 from jaxspec.nn.ops import ForwardBatch
@@ -24,6 +27,27 @@ def check_same_vocab(target, vocab_size: int, tokenizer, what: str):
     if tokenizer is not None and target.tokenizer is not None and tokenizer.get_vocab() != target.tokenizer.get_vocab():
         raise ValueError(f"{what} has a different tokenizer vocabulary than the target: the drafter must share the "
                          "target's tokenizer")
+
+
+# DraftContext fields that are not device arrays (passed to a drafter on each device as they are)
+_STATIC_CONTEXT = ("ops", "num_speculative_tokens", "cache", "variant")
+
+
+def on_each_device(propose, params, state, ctx):
+    """`propose(params, state, ctx)` run whole by every device of the engine's mesh, on its own copy of the
+    drafter's params and state, with no collective: a draft model kept whole on each device
+    (SpeculativeConfig.draft_tensor_parallel_size=1). Every input it reads is replicated already (the step's
+    inputs, the history, the emitted tokens); the target's split weights and hidden states, which a draft model
+    does not read, are left out so that nothing is gathered. Each device computes the same drafts."""
+    tp = ctx.ops.tp
+    static = {name: getattr(ctx, name) for name in _STATIC_CONTEXT}
+    static["ops"] = dataclasses.replace(ctx.ops, tp=None)   # inside, every array is whole: one device's kernels
+    arrays = {f.name: getattr(ctx, f.name) for f in dataclasses.fields(ctx) if f.name not in _STATIC_CONTEXT}
+    arrays.update(target_params=None, hidden=None, aux_hidden=None)
+
+    def local(params, state, arrays):
+        return propose(params, state, type(ctx)(**static, **arrays))
+    return jax.shard_map(local, mesh=tp.mesh, in_specs=P(), out_specs=P(), check_vma=False)(params, state, arrays)
 
 
 def kv_slots_for(positions, row_of_token, valid, block_tables, block_size: int, num_kv_slots: int):

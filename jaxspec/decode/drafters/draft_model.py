@@ -26,8 +26,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.decode.drafters.common import (
-    check_same_vocab, draft_logprobs_spec, draft_loop, grammar_next, grammar_start, kv_slots_for, one_token_batch,
-    pick_drafts)
+    check_same_vocab, draft_logprobs_spec, draft_loop, grammar_next, grammar_start, kv_slots_for, on_each_device,
+    one_token_batch, pick_drafts)
 from jaxspec.nn.decoder import Decoder
 from jaxspec.nn.ops import ForwardBatch, Ops
 
@@ -42,6 +42,9 @@ class DraftModelDrafter:
         self.config = draft_config
         self.draft_sampling = draft_sampling
         self.quantization = None   # "fp8": its params are quantized (the engine's quantization)
+        # under tensor parallelism: whole on every device, its forwards free of all-reduces (the engine sets it
+        # from SpeculativeConfig.draft_tensor_parallel_size=1); otherwise split over the devices as the target is
+        self.whole_on_each_device = False
 
     def param_schema(self) -> dict:
         return Decoder(self.config, Ops(quantization=self.quantization)).param_schema()
@@ -53,6 +56,11 @@ class DraftModelDrafter:
         return schema
 
     def propose(self, params, state, ctx):
+        if self.whole_on_each_device and ctx.ops.tp is not None:
+            return on_each_device(self._propose, params, state, ctx)
+        return self._propose(params, state, ctx)
+
+    def _propose(self, params, state, ctx):
         model = Decoder(self.config, ctx.ops)
         k, S = ctx.num_speculative_tokens, ctx.cache.num_kv_slots
         # (a) the draft KV of the tokens each row has now, and the first proposal at its emitted token.
