@@ -77,6 +77,25 @@ def test_chooser_sees_a_step_two_steps_later_and_measures_times():
     assert c.times[(0, 8)] == pytest.approx(0.75 + 0.25 * adaptive.OUTLIER)
 
 
+def test_plain_decodings_time_is_measured_again_while_another_k_is_chosen():
+    """k = 0 timed slow at the start of a run (2.0, under other load) and never picked again would keep that time:
+    every REMEASURE_STEPS steps of another k, k = 0 runs for a few steps, its new time replaces the old one (no
+    average with it), and the chooser goes back to plain decoding now that it is faster (1.0 against k = 1's 1.3
+    tokens in 1.5)."""
+    c = KChooser(1, 64, buckets)
+    chosen = []
+    for s in range(3 * adaptive.REMEASURE_STEPS):
+        k = c.choose(s, 1)
+        chosen.append(k)
+        t = {0: 2.0 if s < 10 else 1.0, 1: 1.5}[k]
+        c.observe(s, [(1, 0)] * 7 + [(1, 1)] * 3 if k else [], (k, 8, t))
+    first = chosen.index(1)
+    assert first < 10 and set(chosen[first:adaptive.REMEASURE_STEPS]) == {1}        # k = 0 looked slow
+    back = chosen.index(0, first)
+    assert adaptive.REMEASURE_STEPS < back < adaptive.REMEASURE_STEPS + 20            # measured again ...
+    assert set(chosen[back:]) == {0} and c.times[(0, 8)] == pytest.approx(1.0)     # ... and kept
+
+
 # ---- bucket edges (issue #37): vLLM's batch-size k table fell from 232 to 24-157 tokens/s past a threshold -------
 
 EDGE_BUCKETS = [8, 16, 32, 64, 128, 256, 512]
@@ -374,6 +393,12 @@ def test_measured_times_with_warmup_compile_nothing_new(target, drafters):  # no
     assert {k for k, _ in chooser.times} == set(range(K + 1)), chooser.times
     assert all(t > 0 for t in chooser.times.values())
     assert sum(stats["spec"]["chosen_k"]) >= 10
+    # stats() shows what it chose from: every measured pair's time (ms) and the step it was measured at
+    view = stats["spec"]["chooser"]
+    assert [(k, T) for k, T, _, _ in view["step_ms"]] == sorted(chooser.times)
+    assert all(ms == pytest.approx(1e3 * chooser.times[k, T]) and 0 <= at < stats["steps"]
+               for k, T, ms, at in view["step_ms"])
+    assert view["acceptance"] == pytest.approx(chooser.acceptance().tolist())
 
 
 def test_a_programs_first_runs_are_not_timed(target, monkeypatch):  # noqa: F811

@@ -83,6 +83,8 @@ def timed_run(llm, sessions, run_args, label, spec, run_label) -> dict:
                        "mean_acceptance_length": 1 + int(d["accepted_tokens"]) / max(drafts, 1),
                        "per_position_acceptance": (d["accepted_per_position"] / max(drafts, 1)).tolist(),
                        "chosen_k": d["chosen_k"].tolist()}
+        if engine.k_chooser is not None:   # adaptive k's view at the end of the pass: [k, bucket, ms, step] rows
+            res["spec"]["chooser"] = engine.k_chooser.snapshot()
     return res
 
 

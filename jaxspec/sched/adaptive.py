@@ -9,9 +9,10 @@ rows(k) is how many of the B decoding rows fit the token budget at 1+k tokens ea
 tokens P (the next step's are not known when its drafts are proposed: this step's stand for them), T_k the token
 bucket of the step's rows(k) * (1+k) + P tokens and t(k, T) the measured device time of the step compiled for
 draft width k at bucket T (an exponential moving average; a pair not yet measured is tried for a few steps,
-smallest k first; a program's first runs and steps that compiled are no measure). Low acceptance makes every E(k) near 1, so the cheapest step (k = 0, plain decoding) wins; a
-large batch makes the step time grow with its tokens (and the budget fit fewer rows at 1+k), so k falls back
-toward 0 there too.
+smallest k first; a program's first runs and steps that compiled are no measure; while another k is chosen, plain
+decoding's time is measured again every REMEASURE_STEPS steps). Low acceptance makes every E(k) near 1, so the
+cheapest step (k = 0, plain decoding) wins; a large batch makes the step time grow with its tokens (and the budget
+fit fewer rows at 1+k), so k falls back toward 0 there too.
 
 a_i is a running estimate: accepted and tried counts per position, decayed each step, with a prior
 (`PRIOR_ACCEPTANCE` at position 1, position i-1's estimate at position i) weighted as `PRIOR_WEIGHT`
@@ -42,6 +43,11 @@ OUTLIER = 3.0             # a measurement counts as at most this many times the 
 # that can be, read two steps later
 EXPLORE_STEPS = 5
 EXPLORE_ATTEMPTS = 2      # explorations of a pair that stays unmeasured (its steps compiled) before giving up
+# Steps after which plain decoding's time (k = 0 at its bucket), while another k is chosen, is measured again. A
+# pair's time is otherwise refreshed only when it runs, and k = 0, the rate adaptive k must not fall below, would
+# keep a time taken once (early in a run, under other load, at shorter contexts) for as long as it is not picked.
+# Costs at most EXPLORE_STEPS steps of k = 0 in REMEASURE_STEPS (2%) for each bucket plain decoding runs at.
+REMEASURE_STEPS = 256
 # Another k must promise this much more throughput to replace the current one: damping for the noise of measured
 # times and running estimates, nothing else. So it holds only while no k's token bucket (nor its share of the rows
 # under the budget) changed since the last choice (crossing a bucket edge changes the rates for real, and the
@@ -63,7 +69,10 @@ class KChooser:
         self.ready: Callable[[int, int], bool] | None = None
         self.current = self.K
         self._pending: collections.deque = collections.deque()   # (step, kind, payload), in step order
-        self._explore: tuple[int, int, int] | None = None   # (k, T, last step) of the pair being measured
+        # (k, T, last step, whether to stop at its first measure) of the pair being measured: a pair never measured
+        # is kept until it has a time; plain decoding measured again, for all its steps (a fresh average of a few)
+        self._explore: tuple[int, int, int, bool] | None = None
+        self.measured_at: dict[tuple[int, int], int] = {}   # (k, T) -> the step its time was last measured at
         self._attempts: collections.Counter = collections.Counter()   # explorations per (k, T)
         self._shape: tuple | None = None   # (k, T, share of the rows) per k at the last choice (see MARGIN)
 
@@ -76,7 +85,7 @@ class KChooser:
 
     def _fold(self, upto: int):
         while self._pending and self._pending[0][0] <= upto:
-            _, rows, time = self._pending.popleft()
+            step, rows, time = self._pending.popleft()
             self.accepted *= DECAY
             self.tried *= DECAY
             for drafted, accepted in rows:
@@ -85,9 +94,12 @@ class KChooser:
             k, T, seconds = time
             if seconds is not None:
                 old = self.times.get((k, T))
+                if old is not None and step - self.measured_at[(k, T)] > REMEASURE_STEPS:
+                    old = None        # a time that old is no measure any more: the new one replaces it
                 if old is not None:   # one slow outlier (a host pause) moves the average a bounded step
                     seconds = (1 - TIME_EMA) * old + TIME_EMA * min(seconds, OUTLIER * old)
                 self.times[(k, T)] = seconds
+                self.measured_at[(k, T)] = step
 
     # ---- estimates -----------------------------------------------------------------------------------
     def acceptance(self) -> np.ndarray:
@@ -106,6 +118,12 @@ class KChooser:
             return self.time_model(k, T)
         return self.times.get((k, T))
 
+    def snapshot(self) -> dict:
+        """What the chooser believes now (stats()["spec"]["chooser"]): each measured (k, bucket)'s step time and the
+        step it was last measured at, and the running acceptance per draft position."""
+        return {"step_ms": [[k, T, 1e3 * t, self.measured_at.get((k, T))] for (k, T), t in sorted(self.times.items())],
+                "acceptance": self.acceptance().tolist()}
+
     # ---- the choice ----------------------------------------------------------------------------------
     def choose(self, step: int, num_rows: int, prefill_tokens: int = 0) -> int:
         """k for the drafts step `step` proposes (the next step of its `num_rows` decoding rows verifies them),
@@ -113,8 +131,8 @@ class KChooser:
         share of the token budget and of the step's bucket."""
         self._fold(step - 2)
         if self._explore is not None:
-            k, T, last = self._explore
-            if self.step_time(k, T) is None and step <= last:
+            k, T, last, until_measured = self._explore
+            if step <= last and not (until_measured and (k, T) in self.measured_at):
                 return k
             self._explore = None
         a = self.acceptance()
@@ -139,12 +157,19 @@ class KChooser:
             # next one, proposing k again, is a step of width k, and its time is folded in two steps later.
             k, T = unmeasured[0]
             self._attempts[(k, T)] += 1
-            self._explore = (k, T, step + EXPLORE_STEPS)
+            self._explore = (k, T, step + EXPLORE_STEPS, True)
             self.current, self._shape = k, None
             return k
         if not rates:
             return self.current
         best = max(rates, key=rates.get)
+        plain = next(((k, T) for k, T, _ in shape if k == 0), None)
+        if (best != 0 and plain is not None and self.time_model is None
+                and step - self.measured_at.get(plain, step) > REMEASURE_STEPS):
+            # plain decoding's time is old: measure it again before trusting that another k beats it
+            self._explore = (0, plain[1], step + EXPLORE_STEPS, False)
+            self.current, self._shape = 0, None
+            return 0
         same, self._shape = tuple(shape) == self._shape, tuple(shape)
         held = rates.get(self.current, 0.0)
         if same and held >= rates.get(0, 0.0) and rates[best] <= held * (1 + MARGIN):

@@ -564,8 +564,11 @@ class Engine:
             self.runner.warmup(variants, self.grammar_tables.device_table())
 
     def stats(self) -> dict:
-        return self.counts.report(runner=self.runner, scheduler=self.scheduler, blocks=self.blocks,
-                                  grammar_tables=self.grammar_tables, grammar_compiler=self.intake.grammar_compiler,
-                                  prefix_cache_disabled_reason=self.prefix_cache_disabled_reason,
-                                  async_scheduling=self.config.async_scheduling) | {
-                                      "quantization": self.quantization_report()}
+        out = self.counts.report(runner=self.runner, scheduler=self.scheduler, blocks=self.blocks,
+                                 grammar_tables=self.grammar_tables, grammar_compiler=self.intake.grammar_compiler,
+                                 prefix_cache_disabled_reason=self.prefix_cache_disabled_reason,
+                                 async_scheduling=self.config.async_scheduling) | {
+                                     "quantization": self.quantization_report()}
+        if self.k_chooser is not None:   # adaptive k: the measured step times and acceptance it chooses from
+            out["spec"]["chooser"] = self.k_chooser.snapshot()
+        return out
