@@ -81,12 +81,13 @@ GPU_PROMPTS = [prompt_of(7, 70), prompt_of(3, 71)]
 LOGPROB_TOLERANCE = 1e-5
 
 
-def check_greedy_speculation(llm, references, method, k: int = 3, max_tokens: int = 12):
+def check_greedy_speculation(llm, references, method, k: int = 3, max_tokens: int = 12, accepted_positions: int = 2):
     """Runs GPU_PROMPTS greedily with logprobs=2 (async, no preemption) and checks them against the independent
     references: every token is the target's dense greedy continuation and every logprob the dense log-softmax's;
     each request's drafted and accepted counts, and the accepted count per draft position, are the host's
     step-by-step recomputation from the reference drafts (what the CPU layout is held to by
-    test_spec_counts_recomputed_on_host); drafts were accepted at the first two positions, and some rejected."""
+    test_spec_counts_recomputed_on_host); drafts were accepted at the first `accepted_positions` positions, and some
+    rejected."""
     continuations, expected = [], []
     for p in GPU_PROMPTS:
         continuation = p + references["target"].next_tokens(p, max_tokens + k + 1)
@@ -102,7 +103,7 @@ def check_greedy_speculation(llm, references, method, k: int = 3, max_tokens: in
     spec = llm.stats()["spec"]
     per_position = np.round(np.asarray(spec["per_position_acceptance"]) * spec["drafts"]).astype(int)
     assert per_position.tolist() == np.sum([e["per_position"] for e in expected], axis=0).tolist()
-    assert_partial_acceptance(spec, 2)
+    assert_partial_acceptance(spec, accepted_positions)
 
 
 @pytest.mark.parametrize("method", ["eagle", "eagle3"])

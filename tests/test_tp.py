@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from conftest import random_model
+from conftest import optimize_steps, random_model
 from test_prefix_cache import RECURRING
 from reference import Greedy
-from test_spec import (METHODS, drafters, logprob_errors, make_llm, prompt_of, references, target)  # noqa: F401
+from test_spec import (ENGINE, METHODS, drafters, logprob_errors, make_llm, prompt_of, references, target)  # noqa: F401
 from test_spec_layouts import GPU_LAYOUT, LOGPROB_TOLERANCE, check_greedy_speculation
 from jaxspec import LLM, SamplingParams
 
@@ -133,6 +133,18 @@ def test_a_draft_model_whole_on_each_device(target, drafters):
     ngram = LLM(target, **TP_ENGINE_SPEC, tensor_parallel_size=2, speculative_config=dict(
         method="ngram", num_speculative_tokens=3))
     assert all_reduces(llm) == all_reduces(ngram) < all_reduces(split)
+
+
+def test_a_whole_draft_model_in_the_gpu_layout(target, drafters, references):
+    """draft_tensor_parallel_size=1 over two devices in the GPU layout: inside shard_map the draft model runs one
+    device's kernels (the fused Pallas attention, interpreted) on its whole KV pages; check_greedy_speculation's
+    tokens, logprobs and draft counts against the dense references (the perturbed draft model is accepted at the
+    first position on these prompts, never at the second: the counts per position are checked all the same)."""
+    whole = LLM(target, **{**ENGINE, "num_kv_blocks": 40, "warmup": False}, tensor_parallel_size=2, **GPU_LAYOUT,
+                speculative_config=dict(method="draft_model", model=drafters["draft_model"],
+                                        num_speculative_tokens=3, draft_tensor_parallel_size=1))
+    assert whole.engine.runner.drafter.whole_on_each_device and whole.engine.runner.ops.attention == "pallas"
+    check_greedy_speculation(optimize_steps(whole), references, "draft_model", accepted_positions=1)
 
 
 def test_draft_placements_that_are_not_offered_are_refused(target, drafters):
