@@ -152,7 +152,7 @@ def test_draft_placements_that_are_not_offered_are_refused(target, drafters):
             (dict(method="draft_model", draft_tensor_parallel_size=3), 2,
              r"draft_tensor_parallel_size=3 is invalid with tensor_parallel_size=2; give 1 .* or 2 \(split"),
             (dict(method="eagle3", draft_tensor_parallel_size=1), 2,
-             r"draft_tensor_parallel_size=1 is implemented for method 'draft_model' only; the 'eagle3' drafter"),
+             r"draft_tensor_parallel_size=1 is implemented for method 'draft_model' only, not 'eagle3'"),
             (dict(method="draft_model", draft_tensor_parallel_size=0), 1,
              r"draft_tensor_parallel_size=0 is invalid; give 1")]:
         with pytest.raises(ValueError, match=message):

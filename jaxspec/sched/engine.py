@@ -151,9 +151,9 @@ class Engine:
                              f"{tensor_parallel_size}; give 1 (the draft model whole on every device){split}, or "
                              "leave it unset")
         if spec.method != "draft_model":
-            raise ValueError(f"draft_tensor_parallel_size=1 is implemented for method 'draft_model' only; the "
-                             f"{spec.method!r} drafter reads the target's split weights and is split with it: give "
-                             f"{tensor_parallel_size} or leave it unset")
+            raise ValueError(f"draft_tensor_parallel_size=1 is implemented for method 'draft_model' only, not "
+                             f"{spec.method!r} (an EAGLE or MTP head reads the target's split embedding and lm_head; "
+                             f"n-gram lookup has no model): give {tensor_parallel_size} or leave it unset")
         return True
 
     @staticmethod
