@@ -110,12 +110,13 @@ def test_a_draft_model_whole_on_each_device(target, drafters):
     """draft_tensor_parallel_size=1 over two devices: the draft model's params and KV pages whole on each device,
     its forwards free of collectives (the step has the all-reduces of an n-gram step, whose drafter has no model,
     and fewer than with the draft model split), and one device's tokens and draft counts, greedy and seeded
-    sampling, with drafts accepted (async and sync)."""
+    sampling with sampled drafts (their q kept whole on each device for the rejection sampler), with drafts
+    accepted (async and sync)."""
     params = [SamplingParams(temperature=0.7, seed=60 + i, max_tokens=16) for i in range(2)] + [
         SamplingParams(temperature=0, max_tokens=16)]
     prompts = [prompt_of(n, 230 + n) for n in (5, 10)] + [RECURRING]
     whole = dict(speculative_config=dict(method="draft_model", model=drafters["draft_model"], num_speculative_tokens=3,
-                                         draft_tensor_parallel_size=1))
+                                         draft_sampling="sample", draft_tensor_parallel_size=1))
     results = {}
     for tp, mode in [(1, True), (2, True), (2, False)]:
         llm = LLM(target, **TP_ENGINE_SPEC, tensor_parallel_size=tp, async_scheduling=mode, **whole)
