@@ -98,11 +98,8 @@ def test_speculation_under_tensor_parallelism(target, drafters, method):
 def all_reduces(llm) -> int:
     """The all-reduces in the compiled greedy step of the engine's smallest token bucket."""
     import re
-    from jaxspec.decode.compiler import TUNED
-    from jaxspec.decode.step import StepVariant
     runner = llm.engine.runner
-    key = runner.program_key(runner.token_buckets[0], StepVariant())
-    text = runner._lower_program(key, TUNED)[0].compile().as_text()
+    text = runner.lower(runner.token_buckets[0]).compile().as_text()
     return len(re.findall(r"= \S+ all-reduce(?:-start)?\(", text))
 
 

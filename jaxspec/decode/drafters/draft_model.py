@@ -56,7 +56,7 @@ class DraftModelDrafter:
         return schema
 
     def propose(self, params, state, ctx):
-        if self.whole_on_each_device and ctx.ops.tp is not None:
+        if self.whole_on_each_device:   # set only under tensor parallelism
             return on_each_device(self._propose, params, state, ctx)
         return self._propose(params, state, ctx)
 
