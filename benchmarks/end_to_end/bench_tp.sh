@@ -21,8 +21,8 @@ bench() {   # bench TAG TP [ARGS...]
 }
 for tp in ${TPS:-1 2}; do
   bench "tp$tp" "$tp"
-  bench "tp${tp}_draft" "$tp" --speculative-config "{$DRAFT}"
   if [ "$tp" -gt 1 ]; then
     bench "tp${tp}_draftwhole" "$tp" --speculative-config "{$DRAFT, \"draft_tensor_parallel_size\": 1}"
   fi
+  bench "tp${tp}_draft" "$tp" --speculative-config "{$DRAFT}"
 done
