@@ -20,9 +20,11 @@ class SpeculativeConfig:
     # The host picks k in 0..num_speculative_tokens for each step from the running per-position acceptance
     # and the measured step time of each compiled k (jaxspec.sched.adaptive); False: every step drafts k.
     adaptive: bool = False
-    # A draft model's placement under tensor parallelism (vLLM's field of the same name): None, or the engine's
-    # tensor_parallel_size, splits it over the devices as the target is; 1 keeps it whole on every device, which
-    # runs its forwards with no all-reduce (each of its k forwards per step otherwise pays two per layer).
+    # A draft model's placement under tensor parallelism (vLLM's field of the same name): 1 keeps it whole on every
+    # device, which runs its forwards with no all-reduce (split, each of its k forwards per step pays two per
+    # layer); the engine's tensor_parallel_size splits it over the devices as the target is. None (unset): whole
+    # for a draft model, the faster placement as measured (vLLM splits it), split for the heads, which read the
+    # target's split embedding and lm_head.
     draft_tensor_parallel_size: int | None = None
 
     def __post_init__(self):

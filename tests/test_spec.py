@@ -48,10 +48,11 @@ def references(spec_references):
 
 
 def make_llm(target, drafters, method, k, *, draft_sampling="argmax", async_scheduling=True, draft=None,
-             warmup=False, **engine):
+             warmup=False, draft_tensor_parallel_size=None, **engine):
     """An engine that compiles the steps it runs when it first runs them (warmup=True: every bucket and warm
     variant at start-up, as a server does; what the recompile count checks)."""
-    spec = dict(method=method, num_speculative_tokens=k, draft_sampling=draft_sampling)
+    spec = dict(method=method, num_speculative_tokens=k, draft_sampling=draft_sampling,
+                draft_tensor_parallel_size=draft_tensor_parallel_size)
     if method != "ngram":
         spec["model"] = draft if draft is not None else drafters[method]
     return LLM(target, **{**ENGINE, "warmup": warmup, **engine}, async_scheduling=async_scheduling,

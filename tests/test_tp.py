@@ -78,8 +78,9 @@ def test_kv_heads_fewer_than_devices_are_replicated(target):
 
 @pytest.mark.parametrize("method", METHODS)
 def test_speculation_under_tensor_parallelism(target, drafters, method):
-    """Two devices (the target's 2 KV heads split), each drafter: seeded sampling with argmax drafts and greedy
-    decoding give one device's tokens and draft counts (async; sync too for two of the methods)."""
+    """Two devices (the target's 2 KV heads split), each drafter split as the target is (a draft model's default,
+    whole on each device, is tested below): seeded sampling with argmax drafts and greedy decoding give one
+    device's tokens and draft counts (async; sync too for two of the methods)."""
     params = [SamplingParams(temperature=0.7, seed=50 + i, max_tokens=16) for i in range(2)] + [
         SamplingParams(temperature=0, max_tokens=16)]
     prompts = [prompt_of(n, 210 + n) for n in (4, 9)] + [RECURRING]
@@ -87,7 +88,7 @@ def test_speculation_under_tensor_parallelism(target, drafters, method):
     configs = [(1, True), (2, True)] + ([(2, False)] if method in ("draft_model", "eagle3") else [])
     for tp, mode in configs:
         llm = make_llm(target, drafters, method, 3, async_scheduling=mode, num_kv_blocks=32,
-                       tensor_parallel_size=tp)
+                       tensor_parallel_size=tp, draft_tensor_parallel_size=tp if method == "draft_model" else None)
         outs = llm.generate(prompts, params, use_tqdm=False)
         results[tp, mode] = [(o.token_ids, o.metrics["num_draft_tokens"], o.metrics["num_accepted_tokens"])
                              for o in outs]
@@ -127,7 +128,7 @@ def test_a_draft_model_whole_on_each_device(target, drafters):
     assert all(a.sharding.is_fully_replicated for a in jax.tree_util.tree_leaves(runner.state.drafter))
     assert runner.params["layers"]["attention"]["gate_up_proj"].sharding.spec == P(None, "tp")   # the target split
     split = LLM(target, **TP_ENGINE_SPEC, tensor_parallel_size=2, speculative_config=dict(
-        method="draft_model", model=drafters["draft_model"], num_speculative_tokens=3))
+        method="draft_model", model=drafters["draft_model"], num_speculative_tokens=3, draft_tensor_parallel_size=2))
     ngram = LLM(target, **TP_ENGINE_SPEC, tensor_parallel_size=2, speculative_config=dict(
         method="ngram", num_speculative_tokens=3))
     assert all_reduces(llm) == all_reduces(ngram) < all_reduces(split)
@@ -156,6 +157,15 @@ def test_draft_placements_that_are_not_offered_are_refused(target, drafters):
         with pytest.raises(ValueError, match=message):
             LLM(target, **TP_ENGINE_SPEC, tensor_parallel_size=tp,
                 speculative_config=dict(spec, model=drafters[spec["method"]], num_speculative_tokens=3))
+
+
+def test_unset_a_draft_model_runs_whole_and_a_head_split(target, drafters):
+    """draft_tensor_parallel_size unset: a draft model whole on each device (the measured placement), an EAGLE-3
+    head split as the target is (it reads the target's split embedding and lm_head)."""
+    for method, whole in [("draft_model", True), ("eagle3", False)]:
+        llm = LLM(target, **TP_ENGINE_SPEC, tensor_parallel_size=2, speculative_config=dict(
+            method=method, model=drafters[method], num_speculative_tokens=3))
+        assert getattr(llm.engine.runner.drafter, "whole_on_each_device", False) is whole, method
 
 
 def test_invalid_tensor_parallel_sizes_are_refused(target):

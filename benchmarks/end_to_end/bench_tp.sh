@@ -24,5 +24,5 @@ for tp in ${TPS:-1 2}; do
   if [ "$tp" -gt 1 ]; then
     bench "tp${tp}_draftwhole" "$tp" --speculative-config "{$DRAFT, \"draft_tensor_parallel_size\": 1}"
   fi
-  bench "tp${tp}_draft" "$tp" --speculative-config "{$DRAFT}"
+  bench "tp${tp}_draft" "$tp" --speculative-config "{$DRAFT, \"draft_tensor_parallel_size\": $tp}"
 done

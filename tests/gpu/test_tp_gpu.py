@@ -30,6 +30,8 @@ def test_two_gpus_emit_one_gpus_tokens(speculation):
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     runs = {}
     for tp in (1, 2):
+        if speculation == "split":
+            spec["draft_tensor_parallel_size"] = tp
         llm = LLM(target, **ENGINE, tensor_parallel_size=tp, speculative_config=spec)
         runs[tp] = [o.token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
         if speculation:
