@@ -72,9 +72,13 @@ def test_chooser_sees_a_step_two_steps_later_and_measures_times():
     c.choose(11, 1)
     assert c.acceptance()[0] < 0.2 * before[0]                    # ... at step 11
     assert c.choose(12, 1) == 0
-    c.observe(10, [], (0, 8, 100.0))                              # an outlier moves the average a bounded step
+    c.observe(10, [], (0, 8, 100.0))                              # one outlier (a host pause) among three ...
     c.choose(13, 1)
-    assert c.times[(0, 8)] == pytest.approx(0.75 + 0.25 * adaptive.OUTLIER)
+    assert c.times[(0, 8)] == 1.0                                 # ... leaves the median where it was
+    c.observe(11, [], (0, 8, 100.0))
+    c.observe(12, [], (0, 8, 100.0))
+    c.choose(15, 1)
+    assert c.times[(0, 8)] == 100.0                               # three of five: the step is that slow now
 
 
 def test_plain_decodings_time_is_measured_again_while_another_k_is_chosen():
@@ -94,6 +98,25 @@ def test_plain_decodings_time_is_measured_again_while_another_k_is_chosen():
     back = chosen.index(0, first)
     assert adaptive.REMEASURE_STEPS < back < adaptive.REMEASURE_STEPS + 20            # measured again ...
     assert set(chosen[back:]) == {0} and c.times[(0, 8)] == pytest.approx(1.0)     # ... and kept
+
+
+def test_a_host_pause_while_plain_decoding_is_measured_again_is_dropped():
+    """As above, but the re-measure's first timed step is a host pause (4 times a plain step: what two H200s showed
+    on 2026-11-28, plain decoding timed at 4.7 ms where its steps took ~2). A time that the first sample dominates
+    would keep plain decoding priced above k = 1 for another REMEASURE_STEPS steps; the median of the re-measure's
+    samples drops the pause, and the chooser goes back to plain decoding at once."""
+    c = KChooser(1, 64, buckets)
+    chosen, paused = [], False
+    for s in range(3 * adaptive.REMEASURE_STEPS):
+        k = c.choose(s, 1)
+        chosen.append(k)
+        t = {0: 2.0 if s < 10 else 1.0, 1: 1.5}[k]
+        if k == 0 and s > adaptive.REMEASURE_STEPS and not paused:
+            t, paused = 4.0, True
+        c.observe(s, [(1, 0)] * 7 + [(1, 1)] * 3 if k else [], (k, 8, t))
+    back = chosen.index(0, chosen.index(1))
+    assert paused and adaptive.REMEASURE_STEPS < back < adaptive.REMEASURE_STEPS + 20
+    assert set(chosen[back:]) == {0} and c.times[(0, 8)] == pytest.approx(1.0)
 
 
 # ---- bucket edges (issue #37): vLLM's batch-size k table fell from 232 to 24-157 tokens/s past a threshold -------

@@ -8,9 +8,9 @@ next step, the one that maximises expected tokens per second.
 rows(k) is how many of the B decoding rows fit the token budget at 1+k tokens each beside the step's prefill
 tokens P (the next step's are not known when its drafts are proposed: this step's stand for them), T_k the token
 bucket of the step's rows(k) * (1+k) + P tokens and t(k, T) the measured device time of the step compiled for
-draft width k at bucket T (an exponential moving average; a pair not yet measured is tried for a few steps,
-smallest k first; a program's first runs and steps that compiled are no measure; while another k is chosen, plain
-decoding's time is measured again every REMEASURE_STEPS steps). Low acceptance makes every E(k) near 1, so the
+draft width k at bucket T (the median of its last few timed steps; a pair not yet measured is tried for a few
+steps, smallest k first; a program's first runs and steps that compiled are no measure; while another k is chosen,
+plain decoding's time is measured again every REMEASURE_STEPS steps). Low acceptance makes every E(k) near 1, so the
 cheapest step (k = 0, plain decoding) wins; a large batch makes the step time grow with its tokens (and the budget
 fit fewer rows at 1+k), so k falls back toward 0 there too.
 
@@ -36,8 +36,13 @@ PRIOR_WEIGHT = 1.0        # the prior counts as this many observations
 # never matches, the prior takes over again (and k > 0 is tried for a few steps) only after a hundred steps
 # or more: rarely enough to cost little, often enough to notice a drafter that matches again.
 DECAY = 0.99
-TIME_EMA = 0.25           # weight of a new step-time measurement
-OUTLIER = 3.0             # a measurement counts as at most this many times the average
+# A pair's time is the median of its last TIME_SAMPLES timed steps, none older than REMEASURE_STEPS. A step's time
+# is the loop's period (jaxspec.sched.engine._observe), and a host pause (the GIL held by a request's thread, a
+# neighbour process) lengthens one period by several times: on two H200s (2026-11-28) single samples put plain
+# decoding's time at 4.7 ms where its steps took ~2 ms, and an average that a first sample dominates kept such a
+# time for the next REMEASURE_STEPS steps. An exploration or a re-measure gives three or more samples, so the
+# median drops one such pause.
+TIME_SAMPLES = 5
 # steps an unmeasured (k, bucket) is kept to measure it (exploring): the steps of width k are the 2nd to the last,
 # and a program's first two runs are no measure (jaxspec.decode.runner.UNTIMED_RUNS), so the 4th is the first
 # that can be, read two steps later
@@ -55,6 +60,12 @@ REMEASURE_STEPS = 256
 MARGIN = 0.03
 
 
+def median(values) -> float:
+    v = sorted(values)
+    n = len(v)
+    return v[n // 2] if n % 2 else 0.5 * (v[n // 2 - 1] + v[n // 2])
+
+
 class KChooser:
     def __init__(self, num_speculative_tokens: int, max_num_batched_tokens: int, bucket_for: Callable[[int], int]):
         self.K = num_speculative_tokens
@@ -62,7 +73,8 @@ class KChooser:
         self.bucket_for = bucket_for
         self.accepted = np.zeros(self.K)   # decayed counts per draft position
         self.tried = np.zeros(self.K)
-        self.times: dict[tuple[int, int], float] = {}   # (draft width, token bucket) -> seconds (EMA)
+        self.times: dict[tuple[int, int], float] = {}   # (draft width, token bucket) -> seconds (median)
+        self._samples: dict[tuple[int, int], collections.deque] = {}   # (k, T) -> its last (step, seconds)
         # (k, T) -> seconds: replaces the measured times (deterministic choices for tests; a cost model)
         self.time_model: Callable[[int, int], float] | None = None
         # (k, T) -> whether that step is compiled: while programs compile in the background only those are chosen
@@ -70,7 +82,7 @@ class KChooser:
         self.current = self.K
         self._pending: collections.deque = collections.deque()   # (step, kind, payload), in step order
         # (k, T, last step, whether to stop at its first measure) of the pair being measured: a pair never measured
-        # is kept until it has a time; plain decoding measured again, for all its steps (a fresh average of a few)
+        # is kept until it has a time; plain decoding measured again, for all its steps (a median of fresh samples)
         self._explore: tuple[int, int, int, bool] | None = None
         self.measured_at: dict[tuple[int, int], int] = {}   # (k, T) -> the step its time was last measured at
         self._attempts: collections.Counter = collections.Counter()   # explorations per (k, T)
@@ -93,12 +105,11 @@ class KChooser:
                 self.tried[:min(accepted + 1, drafted)] += 1
             k, T, seconds = time
             if seconds is not None:
-                old = self.times.get((k, T))
-                if old is not None and step - self.measured_at[(k, T)] > REMEASURE_STEPS:
-                    old = None        # a time that old is no measure any more: the new one replaces it
-                if old is not None:   # one slow outlier (a host pause) moves the average a bounded step
-                    seconds = (1 - TIME_EMA) * old + TIME_EMA * min(seconds, OUTLIER * old)
-                self.times[(k, T)] = seconds
+                samples = self._samples.setdefault((k, T), collections.deque(maxlen=TIME_SAMPLES))
+                while samples and step - samples[0][0] > REMEASURE_STEPS:
+                    samples.popleft()   # a time that old is no measure any more: newer ones replace it
+                samples.append((step, seconds))
+                self.times[(k, T)] = median(s for _, s in samples)
                 self.measured_at[(k, T)] = step
 
     # ---- estimates -----------------------------------------------------------------------------------
