@@ -22,9 +22,10 @@ class SpeculativeConfig:
     adaptive: bool = False
     # A draft model's placement under tensor parallelism (vLLM's field of the same name): 1 keeps it whole on every
     # device, which runs its forwards with no all-reduce (split, each of its k forwards per step pays two per
-    # layer); the engine's tensor_parallel_size splits it over the devices as the target is. None (unset): whole
-    # for a draft model, the faster placement as measured (vLLM splits it), split for the heads, which read the
-    # target's split embedding and lm_head.
+    # layer); the engine's tensor_parallel_size splits it over the devices as the target is. None (unset): the
+    # faster of the two for a draft model, by its size against its all-reduces (jaxspec.sched.engine
+    # draft_runs_whole: a 1B draft whole, an 8B one split; vLLM always splits it), split for the heads, which read
+    # the target's split embedding and lm_head.
     draft_tensor_parallel_size: int | None = None
 
     def __post_init__(self):

@@ -159,13 +159,22 @@ def test_draft_placements_that_are_not_offered_are_refused(target, drafters):
                 speculative_config=dict(spec, model=drafters[spec["method"]], num_speculative_tokens=3))
 
 
-def test_unset_a_draft_model_runs_whole_and_a_head_split(target, drafters):
-    """draft_tensor_parallel_size unset: a draft model whole on each device (the measured placement), an EAGLE-3
-    head split as the target is (it reads the target's split embedding and lm_head)."""
+def test_unset_a_small_draft_model_runs_whole_a_large_one_and_a_head_split(target, drafters, monkeypatch):
+    """draft_tensor_parallel_size unset: a draft model whole on each device where its added weight reads cost less
+    than the all-reduces it saves (Llama-3.2-1B's 2.5 GB and 16 layers at TP=2 and 4, and the test's tiny one), split
+    where they cost more (Llama-3.1-8B's 16 GB and 32 layers as a draft); an EAGLE-3 head split as the target is (it
+    reads the target's split embedding and lm_head)."""
+    from jaxspec.sched import engine
+    assert engine.draft_runs_whole(2_471_000_000, 16, 2) and engine.draft_runs_whole(2_471_000_000, 16, 4)
+    assert not engine.draft_runs_whole(16_060_000_000, 32, 2)
     for method, whole in [("draft_model", True), ("eagle3", False)]:
         llm = LLM(target, **TP_ENGINE_SPEC, tensor_parallel_size=2, speculative_config=dict(
             method=method, model=drafters[method], num_speculative_tokens=3))
         assert getattr(llm.engine.runner.drafter, "whole_on_each_device", False) is whole, method
+    monkeypatch.setattr(engine, "DRAFT_HBM_BYTES_PER_S", 1.0)   # weight reads that cost more than any all-reduce
+    llm = LLM(target, **TP_ENGINE_SPEC, tensor_parallel_size=2, speculative_config=dict(
+        method="draft_model", model=drafters["draft_model"], num_speculative_tokens=3))
+    assert not llm.engine.runner.drafter.whole_on_each_device
 
 
 def test_invalid_tensor_parallel_sizes_are_refused(target):

@@ -60,6 +60,26 @@ class _InFlight:
                                    # (runner.UNTIMED_RUNS): its time is no measure
 
 
+# A draft model under tensor parallelism, split as the target is, reads 1/N of its weights per forward and adds two
+# all-reduces per layer; whole on each device it reads all of them and adds none. Unset
+# (SpeculativeConfig.draft_tensor_parallel_size), it runs whole where the reads that adds take less time than the
+# all-reduces it saves. The constants are measured: an all-reduce with the idle around it, ~19 us at TP=2 (an
+# H100 pair's trace, docs/lab/2026-11-27-tp-ray.md) and ~23 us at TP=4 (four H100s' steps, docs/lab/2026-11-27-tp4.md;
+# more devices are priced as four); ~3e12 bytes/s of copy bandwidth (an H100's 2.98, an H200's 3.67 TB/s). A
+# Llama-3.2-1B draft (2.5 GB, 16 layers) at TP=2: 0.41 ms of reads against 0.61 ms of all-reduces per forward, so
+# whole; measured on two H200s, its four forwards a step took 0.82 ms less whole than split (0.91x the step at batch
+# 1, docs/lab/2026-11-28-tp-draft-h200.md). An 8B draft (16 GB, 32 layers): 2.7 against 1.2 ms, so split.
+DRAFT_ALL_REDUCE_S = {2: 19e-6, 4: 23e-6}
+DRAFT_HBM_BYTES_PER_S = 3e12
+
+
+def draft_runs_whole(weight_bytes: int, num_layers: int, tensor_parallel_size: int) -> bool:
+    """Whether a draft model of these weights and layers runs faster whole on each of the devices than split."""
+    all_reduce_s = DRAFT_ALL_REDUCE_S[min(DRAFT_ALL_REDUCE_S, key=lambda n: (abs(n - tensor_parallel_size), -n))]
+    reads_added = weight_bytes * (1 - 1 / tensor_parallel_size) / DRAFT_HBM_BYTES_PER_S
+    return reads_added < 2 * num_layers * all_reduce_s
+
+
 class Engine:
     def __init__(self, model, config: EngineConfig, speculative_config=None):
         from jaxspec.spec import SpeculativeConfig, build_drafter
@@ -77,7 +97,7 @@ class Engine:
             model, drafter, drafter_params = self._quantize(config.quantization, model, drafter, drafter_params)
             self.model = model
         draft_configs = [drafter.config] if drafter is not None and hasattr(drafter, "config") else []
-        whole_draft = self._draft_whole_on_each_device(spec, config.tensor_parallel_size)
+        whole_draft = self._draft_whole_on_each_device(spec, config.tensor_parallel_size, drafter, drafter_params)
         # a draft model kept whole on each device is not split: its widths need not divide by the devices
         tp = TensorParallel.create(config.tensor_parallel_size, [mc] if whole_draft else [mc, *draft_configs])
         if whole_draft:
@@ -139,16 +159,18 @@ class Engine:
             self.startup["compile_blocking_s"] = time.perf_counter() - t0
 
     @staticmethod
-    def _draft_whole_on_each_device(spec, tensor_parallel_size: int) -> bool:
+    def _draft_whole_on_each_device(spec, tensor_parallel_size: int, drafter=None, drafter_params=None) -> bool:
         """Whether the drafter runs whole on every device (SpeculativeConfig.draft_tensor_parallel_size=1 under
-        tensor parallelism); a ValueError names a placement that is not offered. Unset, a draft model runs whole:
-        on two H200s (Llama-3.1-8B shapes, a Llama-3.2-1B draft at k = 4) its step was 0.91 / 0.93 / 0.93 of the
-        split draft's at batch 1 / 8 / 32 (docs/lab/2026-11-28-tp-draft-h200.md), its forwards free of all-reduces."""
+        tensor parallelism); a ValueError names a placement that is not offered. Unset, a draft model runs whole
+        where that is the faster placement (`draft_runs_whole`)."""
         if spec is None:
             return False
         d = spec.draft_tensor_parallel_size
         if d is None:
-            return spec.method == "draft_model" and tensor_parallel_size > 1
+            if spec.method != "draft_model" or tensor_parallel_size == 1:
+                return False
+            weight_bytes = sum(a.nbytes for a in jax.tree_util.tree_leaves(drafter_params))
+            return draft_runs_whole(weight_bytes, drafter.config.num_layers, tensor_parallel_size)
         if d == tensor_parallel_size:
             return False
         if d != 1:
