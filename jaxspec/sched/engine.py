@@ -65,7 +65,7 @@ class _InFlight:
 # (SpeculativeConfig.draft_tensor_parallel_size), it runs whole where the reads that adds take less time than the
 # all-reduces it saves. The constants are measured: an all-reduce with the idle around it, ~19 us at TP=2 (an
 # H100 pair's trace, docs/lab/2026-11-27-tp-ray.md) and ~23 us at TP=4 (four H100s' steps, docs/lab/2026-11-27-tp4.md;
-# more devices are priced as four); ~3e12 bytes/s of copy bandwidth (an H100's 2.98, an H200's 3.67 TB/s). A
+# three or more devices are priced as four); ~3e12 bytes/s of copy bandwidth (an H100's 2.98, an H200's 3.67 TB/s). A
 # Llama-3.2-1B draft (2.5 GB, 16 layers) at TP=2: 0.41 ms of reads against 0.61 ms of all-reduces per forward, so
 # whole; measured on two H200s, its four forwards a step took 0.82 ms less whole than split (0.91x the step at batch
 # 1, docs/lab/2026-11-28-tp-draft-h200.md). An 8B draft (16 GB, 32 layers): 2.7 against 1.2 ms, so split.
@@ -75,7 +75,7 @@ DRAFT_HBM_BYTES_PER_S = 3e12
 
 def draft_runs_whole(weight_bytes: int, num_layers: int, tensor_parallel_size: int) -> bool:
     """Whether a draft model of these weights and layers runs faster whole on each of the devices than split."""
-    all_reduce_s = DRAFT_ALL_REDUCE_S[min(DRAFT_ALL_REDUCE_S, key=lambda n: (abs(n - tensor_parallel_size), -n))]
+    all_reduce_s = DRAFT_ALL_REDUCE_S[2 if tensor_parallel_size == 2 else 4]
     reads_added = weight_bytes * (1 - 1 / tensor_parallel_size) / DRAFT_HBM_BYTES_PER_S
     return reads_added < 2 * num_layers * all_reduce_s
 
