@@ -401,27 +401,64 @@ def test_drafts_after_plain_steps_match_a_dense_reference(target, drafters, refe
     assert llm.stats()["spec"]["accepted_tokens"] > 0
 
 
-def test_measured_times_with_warmup_compile_nothing_new(target, drafters):  # noqa: F811
-    """With the measured step times (no model): the warm-up compiles every draft width, so choosing k never
-    compiles; every width the engine ran is measured; the tokens are plain decoding's."""
+def test_warmup_times_every_width_and_the_chooser_prices_by_those_times(target, drafters):  # noqa: F811
+    """The warm-up compiles every draft width and times each (draft width, bucket) on blank steps
+    (Engine.time_steps), so choosing k never compiles and the chooser prices by device times from the first step:
+    with plain decoding priced cheapest by far it runs k = 0 throughout, no width explored, nothing measured again
+    (the loop's period, which carries every host pause, no longer sets a price). The tokens are plain decoding's."""
     prompts = [prompt_of(6, 20), prompt_of(11, 21)]
     params = SamplingParams(temperature=0, max_tokens=24)
     plain = LLM(target, **{**ENGINE, "num_kv_blocks": 40, "warmup": False}).generate(prompts, params, use_tqdm=False)
     llm = spec_llm(target, "ngram", warmup=True)
+    chooser = llm.engine.k_chooser
+    pairs = {(k, T) for T in llm.engine.runner.token_buckets for k in range(K + 1)}
+    assert set(chooser.calibrated) == pairs and all(t > 0 for t in chooser.calibrated.values())
+    chooser.calibrated = {(k, T): 1.0 if k == 0 else 100.0 for k, T in pairs}
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
     stats = llm.stats()
     assert stats["recompiles"] == 0
-    chooser = llm.engine.k_chooser
-    assert {k for k, _ in chooser.times} == set(range(K + 1)), chooser.times
-    assert all(t > 0 for t in chooser.times.values())
-    assert sum(stats["spec"]["chosen_k"]) >= 10
-    # stats() shows what it chose from: every measured pair's time (ms) and the step it was measured at
+    chosen = stats["spec"]["chosen_k"]
+    assert chosen[0] >= 10 and sum(chosen[1:]) == 0, chosen
+    # stats() shows what it chose from: the device times (ms), and the loop's periods it measured beside them
     view = stats["spec"]["chooser"]
+    assert view["calibrated_ms"] == [[k, T, 1e3 * chooser.calibrated[k, T]] for k, T in sorted(pairs)]
     assert [(k, T) for k, T, _, _ in view["step_ms"]] == sorted(chooser.times)
     assert all(ms == pytest.approx(1e3 * chooser.times[k, T]) and 0 <= at < stats["steps"]
                for k, T, ms, at in view["step_ms"])
     assert view["acceptance"] == pytest.approx(chooser.acceptance().tolist())
+
+
+def test_tiered_warmup_times_every_width_once_its_compiles_end(target):  # noqa: F811
+    """A GPU's default warm-up compiles in the background while serving: every (draft width, bucket) gets its
+    device time once the compiles end (at each program's best tier)."""
+    engine = spec_llm(target, "ngram", warmup="tiered").engine
+    assert engine.wait_compiled(300)
+    assert set(engine.k_chooser.calibrated) == {(k, T) for T in engine.runner.token_buckets for k in range(K + 1)}
+
+
+def test_timing_steps_mid_run_leaves_live_requests_untouched(target, drafters):  # noqa: F811
+    """Engine.time_steps runs blank steps on the live state (with the tiered warm-up of a GPU it runs when the
+    background compiles end, between live steps, one step in flight): their writes go to the trash slot, so the
+    requests get the same tokens and the same drafts accepted as without it (the EAGLE-3 head's own KV and saved
+    feature untouched)."""
+    def run(time_mid: bool):
+        llm = spec_llm(target, "eagle3", drafters["eagle3"], schedule=[3, 1, 0, 2, 3])
+        engine = llm.engine
+        reqs = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=20))
+                for p in (prompt_of(9, 50), prompt_of(5, 51))]
+        steps = 0
+        while engine.has_unfinished():
+            engine.step()
+            steps += 1
+            if time_mid and steps in (3, 6):
+                engine.time_steps()
+        if time_mid:
+            assert len(engine.k_chooser.calibrated) == (K + 1) * len(engine.runner.token_buckets)
+        return [(r.output_token_ids, r.num_draft_tokens, r.num_accepted_tokens) for r in reqs]
+    untimed = run(False)
+    assert run(True) == untimed
+    assert sum(accepted for _, _, accepted in untimed) >= 4
 
 
 def test_a_programs_first_runs_are_not_timed(target, monkeypatch):  # noqa: F811
@@ -429,6 +466,8 @@ def test_a_programs_first_runs_are_not_timed(target, monkeypatch):  # noqa: F811
     command buffer is recorded then: a pair measured once on such a run kept a slow time while unpicked), and the
     time of every later run."""
     from jaxspec.decode.runner import UNTIMED_RUNS
+    from jaxspec.sched.engine import Engine
+    monkeypatch.setattr(Engine, "time_steps", lambda self: None)   # no blank runs: the live steps are the first
     llm = spec_llm(target, "ngram", warmup=True)
     runner, chooser = llm.engine.runner, llm.engine.k_chooser
     keys, timed = [], []   # the program of each step, by step number; (step, seconds) as the chooser got them

@@ -177,8 +177,8 @@ def main():
                 run_args = types.SimpleNamespace(temperature=0.0, ignore_eos=args.ignore_eos, seed=0,
                                                  request_rate=float("inf"), max_concurrency=c, quiet=True,
                                                  structured=structured, structured_report=structured_report)
-                t0 = time.perf_counter()   # untimed: first requests through the engine (and adaptive k's step times)
-                # adaptive k picks its widths from measured step times: give it steps to time them in
+                t0 = time.perf_counter()   # untimed: first requests through the engine (and adaptive k's acceptance)
+                # adaptive k: steps for its acceptance estimates (its step times are measured at warm-up)
                 warm_tokens = 48 if spec is not None and spec["adaptive"] else 8
                 run_online(LocalBackend(llm), [[(p, warm_tokens)] for (p, _), in sessions], run_args, "warm")
                 warm_s = time.perf_counter() - t0

@@ -88,6 +88,8 @@ HISTORY_CHUNK = 256
 # allocations move. Adaptive k times each (draft width, bucket) from a few steps; a first run counted there stays in
 # a pair's average until the pair is picked again, which for a pair slowed that way may be never.
 UNTIMED_RUNS = 2
+# Runs of a step timed back to back for adaptive k's price of it (time_step): their mean.
+TIMED_RUNS = 8
 
 
 def _write_history(state, slot, ids, start, n):
@@ -312,6 +314,27 @@ class ModelRunner:
             self.mirror("replay", T)
         variant, buf = self.last_inputs[T]
         return self._issue(T, variant, buf, self._last_grammar.get(T))
+
+    def time_step(self, T: int, variant: StepVariant, runs: int = TIMED_RUNS) -> float:
+        """Device seconds of one step of bucket T under this variant: its program run `runs` times back to back on
+        blank inputs (no row: every write goes to the trash slot, so live requests are untouched), after
+        UNTIMED_RUNS untimed runs. Back to back, as the loop issues steps, the host's dispatch overlaps the device;
+        blank, the attention over live contexts is left out: that costs every draft width about alike."""
+        buf = self.new_inputs(T).pack()   # read, never written: every run may take it
+        live = self.last_inputs.get(T), self._last_grammar.get(T)
+        for _ in range(UNTIMED_RUNS):
+            out = self.run_packed(T, variant, buf)
+        jax.block_until_ready(out)
+        t0 = time.perf_counter()
+        for _ in range(runs):
+            out = self.run_packed(T, variant, buf)
+        jax.block_until_ready(out)
+        seconds = (time.perf_counter() - t0) / runs
+        if live[0] is None:   # benchmarks replay the last live step, never a blank one
+            self.last_inputs.pop(T, None)
+        else:
+            self.last_inputs[T], self._last_grammar[T] = live
+        return seconds
 
     def _issue(self, T: int, variant: StepVariant, buf, grammar_table) -> dict:
         """inbox <- buf (the packed host inputs), the step (state and boxes donated), a fresh copy of its

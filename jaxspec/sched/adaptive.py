@@ -7,10 +7,13 @@ next step, the one that maximises expected tokens per second.
 
 rows(k) is how many of the B decoding rows fit the token budget at 1+k tokens each beside the step's prefill
 tokens P (the next step's are not known when its drafts are proposed: this step's stand for them), T_k the token
-bucket of the step's rows(k) * (1+k) + P tokens and t(k, T) the measured device time of the step compiled for
-draft width k at bucket T (the median of its last few timed steps; a pair not yet measured is tried for a few
-steps, smallest k first; a program's first runs and steps that compiled are no measure; while another k is chosen,
-plain decoding's time is measured again every REMEASURE_STEPS steps). Low acceptance makes every E(k) near 1, so the
+bucket of the step's rows(k) * (1+k) + P tokens and t(k, T) the device time of the step compiled for draft width
+k at bucket T. Once the programs are compiled, the engine times each on blank steps (`calibrated`,
+Engine.time_steps). Until then, and for a pair without such a time, t is measured from the loop's period (the
+median of the pair's last few timed steps; a pair not yet measured is tried for a few steps, smallest k first; a
+program's first runs and steps that compiled are no measure; while another k is chosen, plain decoding's time is
+measured again every REMEASURE_STEPS steps): that period carries every host pause, so it prices a pair only until
+its device time is known. Low acceptance makes every E(k) near 1, so the
 cheapest step (k = 0, plain decoding) wins; a large batch makes the step time grow with its tokens (and the budget
 fit fewer rows at 1+k), so k falls back toward 0 there too.
 
@@ -73,6 +76,9 @@ class KChooser:
         self.bucket_for = bucket_for
         self.accepted = np.zeros(self.K)   # decayed counts per draft position
         self.tried = np.zeros(self.K)
+        # (draft width, token bucket) -> the step's device seconds, timed on blank steps once its program was
+        # compiled (Engine.time_steps): the price of a pair that has one; measured times price the others
+        self.calibrated: dict[tuple[int, int], float] = {}
         self.times: dict[tuple[int, int], float] = {}   # (draft width, token bucket) -> seconds (median)
         self._samples: dict[tuple[int, int], collections.deque] = {}   # (k, T) -> its last (step, seconds)
         # (k, T) -> seconds: replaces the measured times (deterministic choices for tests; a cost model)
@@ -127,12 +133,14 @@ class KChooser:
     def step_time(self, k: int, T: int) -> float | None:
         if self.time_model is not None:
             return self.time_model(k, T)
-        return self.times.get((k, T))
+        return self.calibrated.get((k, T), self.times.get((k, T)))
 
     def snapshot(self) -> dict:
         """What the chooser believes now (stats()["spec"]["chooser"]): each measured (k, bucket)'s step time and the
-        step it was last measured at, and the running acceptance per draft position."""
+        step it was last measured at, each calibrated one's device time (the price, where there is one), and the
+        running acceptance per draft position."""
         return {"step_ms": [[k, T, 1e3 * t, self.measured_at.get((k, T))] for (k, T), t in sorted(self.times.items())],
+                "calibrated_ms": [[k, T, 1e3 * t] for (k, T), t in sorted(self.calibrated.items())],
                 "acceptance": self.acceptance().tolist()}
 
     # ---- the choice ----------------------------------------------------------------------------------
@@ -175,7 +183,7 @@ class KChooser:
             return self.current
         best = max(rates, key=rates.get)
         plain = next(((k, T) for k, T, _ in shape if k == 0), None)
-        if (best != 0 and plain is not None and self.time_model is None
+        if (best != 0 and plain is not None and self.time_model is None and plain not in self.calibrated
                 and step - self.measured_at.get(plain, step) > REMEASURE_STEPS):
             # plain decoding's time is old: measure it again before trusting that another k beats it
             self._explore = (0, plain[1], step + EXPLORE_STEPS, False)

@@ -545,6 +545,8 @@ class Engine:
             runner.warmup(variants, tier=FAST if self.warmup_mode == "fast" else None)
         runner.warm_transfers(variants)
         self.counts.compiled_at_warmup = runner.compiled_on_demand
+        if not self._compiling:
+            self.time_steps()
 
     def _follow_compiles(self):
         """While programs compile in the background: steps are planned for compiled buckets only (the token
@@ -558,6 +560,7 @@ class Engine:
             self.scheduler.max_num_batched_tokens = self.config.max_num_batched_tokens
             if chooser is not None:
                 chooser.ready, chooser.budget = None, self.config.max_num_batched_tokens
+                self.time_steps()   # every program at its best tier now
             return
         ready = runner.ready_buckets(self._serving_variants)
         runner.serving_buckets = ready or None
@@ -568,6 +571,23 @@ class Engine:
             chooser.budget = self.scheduler.max_num_batched_tokens
             chooser.ready = lambda k, T: all(runner.programs.ready(
                 (T, dataclasses.replace(v, drafts=None if k == K else k), None)) for v in self._serving_variants)
+
+    def time_steps(self):
+        """Adaptive k's price of each (draft width, token bucket): its compiled step's device time, measured here on
+        blank steps (runner.time_step) of the first variant warmed up (greedy, unless only sampling steps were). A
+        time measured from the loop's period instead carries every host pause (on an H200 on 2026-11-28, plain
+        decoding's steps were timed at 1.5-3x their real time, and the choices lost to plain decoding by up to 20%).
+        Runs once the programs are compiled, at their best tier."""
+        chooser = self.k_chooser
+        if chooser is None:
+            return
+        from tqdm.auto import tqdm
+        K, base = self.step_config.num_speculative_tokens, self._serving_variants[0]
+        pairs = [(k, T) for T in self.runner.token_buckets for k in range(K + 1)]
+        with self._lock:
+            for k, T in tqdm(pairs, desc="timing steps", leave=False):
+                variant = dataclasses.replace(base, drafts=None if k == K else k)
+                chooser.calibrated[(k, T)] = self.runner.time_step(T, variant)
 
     def wait_compiled(self, timeout: float | None = None) -> bool:
         """Waits for the background compiles (warmup="tiered"): then every warm program has its best tier and the
