@@ -18,7 +18,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2          # ngram: shortest suffix matched against the history
     prompt_lookup_max: int = 4          # ngram: longest suffix tried first
     # The host picks k in 0..num_speculative_tokens for each step from the running per-position acceptance
-    # and the measured step time of each compiled k (jaxspec.sched.adaptive); False: every step drafts k.
+    # and the device time of each compiled k's step (jaxspec.sched.adaptive); False: every step drafts k.
     adaptive: bool = False
     # A draft model's placement under tensor parallelism (vLLM's field of the same name): 1 keeps it whole on every
     # device, which runs its forwards with no all-reduce (split, each of its k forwards per step pays two per
