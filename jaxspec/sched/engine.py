@@ -588,13 +588,16 @@ class Engine:
         from tqdm.auto import tqdm
         runner = self.runner
         K, base = self.step_config.num_speculative_tokens, self._serving_variants[0]
-        pairs = [(k, T) for T in runner.token_buckets for k in range(K + 1)] * TIMING_ROUNDS
+        variants = {(k, T): dataclasses.replace(base, drafts=None if k == K else k)
+                    for T in runner.token_buckets for k in range(K + 1)}
+        # compiled programs only: timing never compiles (a pair left out keeps its measured periods)
+        pairs = [kT for kT, v in variants.items() if runner.programs.ready(runner.program_key(kT[1], v))]
         with self._lock:
             if runner.programs.store is not None:
                 runner.programs.store.flush()
             best = {}
-            for k, T in tqdm(pairs, desc="timing steps", leave=False):
-                seconds = runner.time_step(T, dataclasses.replace(base, drafts=None if k == K else k))
+            for k, T in tqdm(pairs * TIMING_ROUNDS, desc="timing steps", leave=False):
+                seconds = runner.time_step(T, variants[(k, T)])
                 best[(k, T)] = min(seconds, best.get((k, T), seconds))
             chooser.calibrated.update(best)
 
