@@ -318,8 +318,10 @@ class ModelRunner:
     def time_step(self, T: int, variant: StepVariant, runs: int = TIMED_RUNS) -> float:
         """Device seconds of one step of bucket T under this variant: its program run `runs` times back to back on
         blank inputs (no row: every write goes to the trash slot, so live requests are untouched), after
-        UNTIMED_RUNS untimed runs. Back to back, as the loop issues steps, the host's dispatch overlaps the device;
-        blank, the attention over live contexts is left out: that costs every draft width about alike."""
+        UNTIMED_RUNS untimed runs. Back to back, as the loop issues steps, the host's dispatch overlaps the device.
+        Blank, it leaves out the attention over live contexts, which grows with a row's k + 1 queries: on an H200
+        at batch 32 a live k = 3 step took ~1.7x this time and a plain step ~1.3x (the lab note
+        docs/lab/2026-11-28-trainer-and-drafters.md, seventh session)."""
         buf = self.new_inputs(T).pack()   # read, never written: every run may take it
         live = self.last_inputs.get(T), self._last_grammar.get(T)
         for _ in range(UNTIMED_RUNS):
