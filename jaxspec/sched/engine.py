@@ -581,7 +581,7 @@ class Engine:
         decoding's steps were timed at 1.5-3x their real time, and the choices lost to plain decoding by up to 20%).
         Runs once the programs are compiled, at their best tier, after the program store's writes (serializing the
         new programs on another thread), and keeps each pair's best of TIMING_ROUNDS: the first pass after a warm-up
-        timed steps at 1.6-1.8x the live loop's on a CPU, where the best of two matched it to ~10%."""
+        timed steps at 1.5-2x the live loop's on a CPU, where the best of two came within 0-13% of it."""
         chooser = self.k_chooser
         if chooser is None:
             return
