@@ -85,8 +85,7 @@ def _spec(a) -> jax.ShapeDtypeStruct:
 HISTORY_CHUNK = 256
 # A program's first runs are no measure of its step's time: on a GPU XLA records the step's command buffer (a CUDA
 # graph) on its first run and, in the SKIP_PROFILED update mode (jaxspec.xla_flags), learns over its first runs which
-# allocations move. Adaptive k times each (draft width, bucket) from a few steps; a first run counted there stays in
-# a pair's average until the pair is picked again, which for a pair slowed that way may be never.
+# allocations move. So neither time_step nor adaptive k's measured periods (a pair without a device time) count them.
 UNTIMED_RUNS = 2
 # Runs of a step timed back to back for adaptive k's price of it (time_step): their mean.
 TIMED_RUNS = 8

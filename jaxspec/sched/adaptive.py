@@ -13,9 +13,9 @@ Engine.time_steps). Until then, and for a pair without such a time, t is measure
 median of the pair's last few timed steps; a pair not yet measured is tried for a few steps, smallest k first; a
 program's first runs and steps that compiled are no measure; while another k is chosen, plain decoding's time is
 measured again every REMEASURE_STEPS steps): that period carries every host pause, so it prices a pair only until
-its device time is known. Low acceptance makes every E(k) near 1, so the
-cheapest step (k = 0, plain decoding) wins; a large batch makes the step time grow with its tokens (and the budget
-fit fewer rows at 1+k), so k falls back toward 0 there too.
+its device time is known. Low acceptance makes every E(k) near 1, so the cheapest step (k = 0, plain decoding)
+wins; a large batch makes the step time grow with its tokens (and the budget fit fewer rows at 1+k), so k falls
+back toward 0 there too.
 
 a_i is a running estimate: accepted and tried counts per position, decayed each step, with a prior
 (`PRIOR_ACCEPTANCE` at position 1, position i-1's estimate at position i) weighted as `PRIOR_WEIGHT`
