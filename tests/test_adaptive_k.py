@@ -250,6 +250,37 @@ def test_a_held_k_never_loses_to_plain_decoding():
     assert chosen[-1] == 0 and 1 in chosen
 
 
+def test_the_rows_context_prices_their_attention():
+    """Each query token's attention grows with its row's context (Engine.time_steps times it: `context_cost`), and a
+    step of width k has k + 1 query tokens a row: at short contexts speculation pays, at long ones the drafts'
+    attention costs more than they bring and plain decoding wins. At every context of the sweep the choice is within
+    MARGIN of the best rate with the attention priced in; without it, speculation would be chosen throughout."""
+    K, budget, batch, alpha = 3, 64, 8, 0.5
+    c = KChooser(K, budget, edge_bucket)
+    for T in (8, 16, 32, 64):
+        for k in range(K + 1):
+            c.calibrated[(k, T)] = 1.0 + 0.1 * k + 0.002 * T
+            c.context_cost[(k, T)] = 1e-4
+    for s in range(20):
+        c.observe(s, chain_rows(K, 1, 2), (K, 8, None))
+
+    def rate(k, context, attention=True):   # (the acceptance folded in by the first choice, then fixed)
+        rows = min(batch, budget // (1 + k))
+        T = edge_bucket(rows * (1 + k))
+        t = c.calibrated[(k, T)] + (1e-4 * rows * (1 + k) * context if attention else 0.0)
+        return rows * c.expected_tokens(k) / t
+    chosen = []
+    for step, context in enumerate(range(0, 3001, 100), start=20):
+        c.choose(step, batch, 0, context)   # (a first choice may keep the current k: MARGIN)
+        k = c.choose(step, batch, 0, context)
+        rates = [rate(j, context) for j in range(K + 1)]
+        assert rates[k] >= max(rates) / (1 + adaptive.MARGIN), (context, k, rates)
+        assert c.snapshot()["context"] == context
+        chosen.append(k)
+    assert chosen[0] > 0 and chosen[-1] == 0
+    assert all(max(range(K + 1), key=lambda j: rate(j, L, attention=False)) > 0 for L in (0, 3000))
+
+
 def test_adaptive_is_validated():
     from jaxspec.spec import SpeculativeConfig
     with pytest.raises(ValueError, match="adaptive"):
@@ -279,7 +310,7 @@ def spec_llm(target, method, model=None, *, adaptive_k=True, k=K, async_scheduli
     if time_model is not None:
         chooser.time_model = time_model
     if schedule is not None:   # a forced sequence of choices, by step number
-        chooser.choose = lambda step, rows, prefill_tokens=0: schedule[step % len(schedule)]
+        chooser.choose = lambda step, rows, prefill_tokens=0, context=0.0: schedule[step % len(schedule)]
     return llm
 
 
@@ -413,6 +444,7 @@ def test_warmup_times_every_width_and_the_chooser_prices_by_those_times(target, 
     chooser = llm.engine.k_chooser
     pairs = {(k, T) for T in llm.engine.runner.token_buckets for k in range(K + 1)}
     assert set(chooser.calibrated) == pairs and all(t > 0 for t in chooser.calibrated.values())
+    assert set(chooser.context_cost) == pairs and all(c >= 0 for c in chooser.context_cost.values())
     chooser.calibrated = {(k, T): 1.0 if k == 0 else 100.0 for k, T in pairs}
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
@@ -459,6 +491,74 @@ def test_timing_steps_mid_run_leaves_live_requests_untouched(target, drafters): 
     untimed = run(False)
     assert run(True) == untimed
     assert sum(accepted for _, _, accepted in untimed) >= 4
+
+
+def test_a_context_step_reads_its_rows_contexts_and_writes_only_its_scratch_block(target, drafters):  # noqa: F811
+    """runner.context_inputs (what Engine.time_steps times the attention over contexts with): its rows read their
+    contexts' KV blocks (other KV in those blocks gives other KV written after them; KV in a block no row reads
+    changes nothing), and the step writes only the scratch block's KV (the target's and the EAGLE-3 head's) and the
+    trash slot's state: a live request that holds no block of it is untouched (the head writes the KV of the
+    position before a row's first token, which is why a row's last context block is the scratch block too)."""
+    import jax
+    import jax.numpy as jnp
+    from jaxspec.decode.state import DecodeState, state_schema
+    from jaxspec.nn.schema import Spec
+    from jaxspec.decode.step import StepVariant
+    engine = spec_llm(target, "eagle3", drafters["eagle3"]).engine
+    runner, sc = engine.runner, engine.step_config
+    T, context, scratch = runner.token_buckets[0], 24, sc.num_blocks - 1
+    inputs = runner.context_inputs(T, K, context, scratch)
+    assert runner.context_rows(T, K) == 2 and list(inputs.rows["start"][:3]) == [context, context, 0]
+    specs = DecodeState(**state_schema(runner.target, sc), drafter=runner.drafter.state_schema(sc))
+    spec_leaves = jax.tree_util.tree_leaves(specs, is_leaf=lambda x: isinstance(x, Spec))
+    scratch_slots = np.arange(scratch * sc.block_size, (scratch + 1) * sc.block_size)
+
+    def at(spec, axis_name, index):   # the index of `index` along the spec's named axis
+        return tuple(index if name == axis_name else slice(None) for name in spec.axes)
+
+    def perturbed(host_state, block):   # the state with noise in this block's KV, as fresh device arrays
+        slots = np.arange(block * sc.block_size, (block + 1) * sc.block_size)
+        leaves = []
+        for x, spec in zip(jax.tree_util.tree_leaves(host_state), spec_leaves):
+            x = np.array(x)
+            if "kv_slots" in spec.axes:
+                region = at(spec, "kv_slots", slots)
+                x[region] = np.random.default_rng(1 + block).normal(size=x[region].shape)
+            leaves.append(jnp.asarray(x) + jnp.zeros((), x.dtype))
+        return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(host_state), leaves)
+
+    def run(state):   # the step's runs (untimed and timed) from this state -> the state after, on the host
+        runner.state = state
+        runner.time_step(T, StepVariant(), runs=1, inputs=inputs)
+        return jax.tree_util.tree_map(np.asarray, runner.state)
+
+    def noised(x):   # every float of the state random: a write anywhere shows
+        x = np.asarray(x)
+        return np.random.default_rng(0).normal(size=x.shape).astype(x.dtype) if x.dtype.kind == "f" else x
+    before = jax.tree_util.tree_map(noised, runner.state)
+    after = run(perturbed(before, 30))
+    kv_leaves = 0
+    for b, a, spec in zip(jax.tree_util.tree_leaves(before), jax.tree_util.tree_leaves(after), spec_leaves):
+        assert b.shape == spec.shape
+        changed = b != a
+        if "kv_slots" in spec.axes:
+            kv_leaves += 1
+            assert changed[at(spec, "kv_slots", scratch_slots)].any()
+            changed[at(spec, "kv_slots", scratch_slots)] = False
+            changed[at(spec, "kv_slots", np.arange(30 * sc.block_size, 31 * sc.block_size))] = False   # the noise
+        if "slots" in spec.axes:
+            changed[at(spec, "slots", sc.num_slots)] = False
+        assert not changed.any(), spec
+    assert kv_leaves >= 2   # the target's pool and the head's
+
+    def scratch_kv(state):
+        return [x[at(spec, "kv_slots", scratch_slots)] for x, spec in zip(jax.tree_util.tree_leaves(state), spec_leaves)
+                if "kv_slots" in spec.axes]
+    unread = scratch_kv(after)
+    assert all(np.array_equal(x, y) for x, y in zip(scratch_kv(run(perturbed(before, 30))), unread))   # deterministic
+    assert all(np.array_equal(x, y) for x, y in zip(scratch_kv(run(perturbed(before, 20))), unread))   # not read
+    assert not all(np.array_equal(x, y) for x, y in zip(scratch_kv(run(perturbed(before, 3))), unread))  # row 0's
+    assert not all(np.array_equal(x, y) for x, y in zip(scratch_kv(run(perturbed(before, 8))), unread))  # row 1's
 
 
 def test_a_programs_first_runs_are_not_timed(target, monkeypatch):  # noqa: F811

@@ -314,14 +314,42 @@ class ModelRunner:
         variant, buf = self.last_inputs[T]
         return self._issue(T, variant, buf, self._last_grammar.get(T))
 
-    def time_step(self, T: int, variant: StepVariant, runs: int = TIMED_RUNS) -> float:
+    def context_rows(self, T: int, k: int) -> int:
+        """Decode rows of draft width k that bucket T holds: the rows `context_inputs` fills."""
+        return min(self.rows_for(T), T // (k + 1))
+
+    def context_inputs(self, T: int, k: int, context: int, scratch_block: int) -> StepInputs:
+        """Bucket T's inputs as a step of `context_rows(T, k)` decode rows at draft width k would have them, each
+        `context` tokens into its sequence (a multiple of the block size): its keys before the context's last block
+        are read from KV blocks of the pool, whatever they hold, a run of its own per row (live steps do not share
+        their contexts' blocks); the rest of its table is `scratch_block`, where its own tokens' KV (and a drafter's)
+        is written. Its slot is the trash slot. So a step on these inputs does a live step's attention and leaves every live request
+        untouched, provided no request holds `scratch_block`."""
+        sc = self.step_config
+        n, width, per_row = self.context_rows(T, k), k + 1, context // sc.block_size
+        if context % sc.block_size or context + 2 * width > sc.max_model_len:
+            raise ValueError(f"context {context} must be a multiple of the block size {sc.block_size} and leave "
+                             f"{2 * width} positions before max_model_len {sc.max_model_len}")
+        inp = self.new_inputs(T)
+        tokens, rows = inp.tokens, inp.rows
+        tokens["row"][:n * width] = np.repeat(np.arange(n), width)
+        tokens["offset"][:n * width] = np.tile(np.arange(width), n)
+        for name, value in (("num_new", width), ("start", context), ("num_drafts", k), ("sample", 1),
+                            ("first_token", np.arange(n) * width)):
+            rows[name][:n] = value
+        inp.block_tables[:n] = scratch_block
+        # a drafter may write the KV of the position before a row's first token (an EAGLE head's, once the token
+        # after it is known): the context's last block is the scratch block too
+        reads = per_row - 1
+        inp.block_tables[:n, :reads] = np.arange(n * reads).reshape(n, reads) % sc.num_blocks
+        return inp
+
+    def time_step(self, T: int, variant: StepVariant, runs: int = TIMED_RUNS, inputs: StepInputs | None = None) -> float:
         """Device seconds of one step of bucket T under this variant: its program run `runs` times back to back on
-        blank inputs (no row: every write goes to the trash slot, so live requests are untouched), after
-        UNTIMED_RUNS untimed runs. Back to back, as the loop issues steps, the host's dispatch overlaps the device.
-        Blank, it leaves out the attention over live contexts, which grows with a row's k + 1 queries: on an H200
-        at batch 32 a live k = 3 step took ~1.7x this time and a plain step ~1.3x (the lab note
-        docs/lab/2026-11-28-trainer-and-drafters.md, seventh session)."""
-        buf = self.new_inputs(T).pack()   # read, never written: every run may take it
+        `inputs` (by default blank ones: no row, every write goes to the trash slot, so live requests are untouched;
+        `context_inputs` adds the attention over live contexts that a blank step leaves out), after UNTIMED_RUNS
+        untimed runs. Back to back, as the loop issues steps, the host's dispatch overlaps the device."""
+        buf = (self.new_inputs(T) if inputs is None else inputs).pack()   # read, never written: every run may take it
         live = self.last_inputs.get(T), self._last_grammar.get(T)
         for _ in range(UNTIMED_RUNS):
             out = self.run_packed(T, variant, buf)

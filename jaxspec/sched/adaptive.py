@@ -4,12 +4,15 @@ next step, the one that maximises expected tokens per second.
     expected tokens per row  E(k) = 1 + sum_{j=1..k} prod_{i<=j} a_i     (a_i: acceptance at draft position i,
                                                                           given positions 1..i-1 were accepted)
     rate(k) = rows(k) * E(k) / t(k, T_k)
+    t(k, T) = t0(k, T) + c(k, T) * rows(k) * (1+k) * L
 
 rows(k) is how many of the B decoding rows fit the token budget at 1+k tokens each beside the step's prefill
 tokens P (the next step's are not known when its drafts are proposed: this step's stand for them), T_k the token
 bucket of the step's rows(k) * (1+k) + P tokens and t(k, T) the device time of the step compiled for draft width
-k at bucket T. Once the programs are compiled, the engine times each on blank steps (`calibrated`,
-Engine.time_steps). Until then, and for a pair without such a time, t is measured from the loop's period (the
+k at bucket T, with L the decoding rows' mean context. Once the programs are compiled, the engine times each
+(Engine.time_steps): t0 on blank steps (`calibrated`), c, each query token's attention per context token, on steps
+whose rows read a context (`context_cost`). Until then, and for a pair without such a time, t is measured from the
+loop's period (the
 median of the pair's last few timed steps; a pair not yet measured is tried for a few steps, smallest k first; a
 program's first runs and steps that compiled are no measure; while another k is chosen, plain decoding's time is
 measured again every REMEASURE_STEPS steps): that period carries every host pause, so it prices a pair only until
@@ -79,6 +82,10 @@ class KChooser:
         # (draft width, token bucket) -> the step's device seconds, timed on blank steps once its program was
         # compiled (Engine.time_steps): the price of a pair that has one; measured times price the others
         self.calibrated: dict[tuple[int, int], float] = {}
+        # (draft width, token bucket) -> the seconds each query token's attention adds per context token, timed with
+        # `calibrated`: what a blank step leaves out
+        self.context_cost: dict[tuple[int, int], float] = {}
+        self.context = 0.0   # the decoding rows' mean context at the last choice
         self.times: dict[tuple[int, int], float] = {}   # (draft width, token bucket) -> seconds (median)
         self._samples: dict[tuple[int, int], collections.deque] = {}   # (k, T) -> its last (step, seconds)
         # (k, T) -> seconds: replaces the measured times (deterministic choices for tests; a cost model)
@@ -130,10 +137,14 @@ class KChooser:
         a = self.acceptance() if acceptance is None else acceptance
         return 1.0 + float(np.sum(np.cumprod(a[:k])))
 
-    def step_time(self, k: int, T: int) -> float | None:
+    def step_time(self, k: int, T: int, query_tokens: int = 0, context: float = 0.0) -> float | None:
+        """Seconds of a step of width k at bucket T whose `query_tokens` decode tokens each read `context` tokens
+        (a measured period carries its contexts already)."""
         if self.time_model is not None:
             return self.time_model(k, T)
-        return self.calibrated.get((k, T), self.times.get((k, T)))
+        if (k, T) in self.calibrated:
+            return self.calibrated[(k, T)] + self.context_cost.get((k, T), 0.0) * query_tokens * context
+        return self.times.get((k, T))
 
     def snapshot(self) -> dict:
         """What the chooser believes now (stats()["spec"]["chooser"]): each measured (k, bucket)'s step time and the
@@ -141,13 +152,14 @@ class KChooser:
         running acceptance per draft position."""
         return {"step_ms": [[k, T, 1e3 * t, self.measured_at.get((k, T))] for (k, T), t in sorted(self.times.items())],
                 "calibrated_ms": [[k, T, 1e3 * t] for (k, T), t in sorted(self.calibrated.items())],
-                "acceptance": self.acceptance().tolist()}
+                "context_ns": [[k, T, 1e9 * c] for (k, T), c in sorted(self.context_cost.items())],
+                "context": self.context, "acceptance": self.acceptance().tolist()}
 
     # ---- the choice ----------------------------------------------------------------------------------
-    def choose(self, step: int, num_rows: int, prefill_tokens: int = 0) -> int:
+    def choose(self, step: int, num_rows: int, prefill_tokens: int = 0, context: float = 0.0) -> int:
         """k for the drafts step `step` proposes (the next step of its `num_rows` decoding rows verifies them),
         priced as if that step also carries `prefill_tokens` of prefill chunks (this step's), which take their
-        share of the token budget and of the step's bucket."""
+        share of the token budget and of the step's bucket, and its decoding rows read `context` tokens each."""
         self._fold(step - 2)
         if self._explore is not None:
             k, T, last, until_measured = self._explore
@@ -155,6 +167,7 @@ class KChooser:
                 return k
             self._explore = None
         a = self.acceptance()
+        self.context = context
         rates, unmeasured, shape = {}, [], []
         prefill_tokens = max(0, min(prefill_tokens, self.budget - num_rows))   # decode rows are planned first
         for k in range(self.K + 1):
@@ -164,7 +177,7 @@ class KChooser:
             T = self.bucket_for(rows * (1 + k) + prefill_tokens)
             if self.ready is not None and not self.ready(k, T):
                 continue
-            t = self.step_time(k, T)
+            t = self.step_time(k, T, rows * (1 + k), context)
             if t is None:
                 if self._attempts[(k, T)] < EXPLORE_ATTEMPTS:
                     unmeasured.append((k, T))

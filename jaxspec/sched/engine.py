@@ -73,6 +73,9 @@ DRAFT_ALL_REDUCE_S = {2: 19e-6, 4: 23e-6}
 DRAFT_HBM_BYTES_PER_S = 3e12
 # Passes over every (draft width, bucket) that Engine.time_steps times: each pair's best is its price.
 TIMING_ROUNDS = 2
+# Tokens of context each row of Engine.time_steps's context steps reads (at most half of max_model_len): what a
+# query token's attention costs per context token is their time over a blank step's, divided out.
+TIMED_CONTEXT = 1024
 
 
 def draft_runs_whole(weight_bytes: int, num_layers: int, tensor_parallel_size: int) -> bool:
@@ -575,31 +578,52 @@ class Engine:
                 (T, dataclasses.replace(v, drafts=None if k == K else k), None)) for v in self._serving_variants)
 
     def time_steps(self):
-        """Adaptive k's price of each (draft width, token bucket): its compiled step's device time, measured here on
-        blank steps (runner.time_step) of the first variant warmed up (greedy, unless only sampling steps were). A
-        time measured from the loop's period instead carries every host pause (on an H200 on 2026-11-28, plain
-        decoding's steps were timed at 1.5-3x their real time, and the choices lost to plain decoding by up to 20%).
-        Runs once the programs are compiled, at their best tier, after the program store's writes (serializing the
-        new programs on another thread), and keeps each pair's best of TIMING_ROUNDS: the first pass after a warm-up
-        timed steps at 1.5-2x the live loop's on a CPU, where the best of two came within 0-13% of it."""
+        """Adaptive k's price of each (draft width, token bucket): its compiled step's device time, measured here
+        (runner.time_step) on the first variant warmed up (greedy, unless only sampling steps were), twice: on blank
+        steps, and on steps whose rows read TIMED_CONTEXT tokens of context each (runner.context_inputs, writing to a
+        block taken from the pool for the while). The first is the step's price with no context; the difference,
+        per query token and context token, what each adds (the chooser scales it by the rows' contexts). A blank
+        step alone left out that attention, which grows with a row's k + 1 queries: on an H200 at batch 32 a live
+        k = 3 step took ~1.7x its blank time and a plain step ~1.3x, and adaptive k chose k = 3 where plain
+        decoding delivered as much (docs/lab/2026-11-28-trainer-and-drafters.md, seventh session). A time measured
+        from the loop's period instead carries every host pause (plain decoding's steps were timed at 1.5-3x their
+        real time there). Runs once the programs are compiled, at their best tier, after the program store's writes
+        (serializing the new programs on another thread), and keeps each pair's best of TIMING_ROUNDS: the first
+        pass after a warm-up timed steps at 1.5-2x the live loop's on a CPU, where the best of two came within
+        0-13% of it."""
         chooser = self.k_chooser
         if chooser is None:
             return
         from tqdm.auto import tqdm
-        runner = self.runner
-        K, base = self.step_config.num_speculative_tokens, self._serving_variants[0]
+        runner, sc = self.runner, self.step_config
+        K, base = sc.num_speculative_tokens, self._serving_variants[0]
         variants = {(k, T): dataclasses.replace(base, drafts=None if k == K else k)
                     for T in runner.token_buckets for k in range(K + 1)}
         # compiled programs only: timing never compiles (a pair left out keeps its measured periods)
         pairs = [kT for kT, v in variants.items() if runner.programs.ready(runner.program_key(kT[1], v))]
+        context = min(TIMED_CONTEXT, sc.max_model_len // 2) // sc.block_size * sc.block_size
         with self._lock:
+            scratch = []   # the block the context steps write their own tokens' KV to: no request holds it
+            if context < sc.block_size or context + 2 * (K + 1) > sc.max_model_len \
+                    or not self.blocks.grow(scratch, sc.block_size):
+                context = 0
             if runner.programs.store is not None:
                 runner.programs.store.flush()
-            best = {}
-            for k, T in tqdm(pairs * TIMING_ROUNDS, desc="timing steps", leave=False):
-                seconds = runner.time_step(T, variants[(k, T)])
-                best[(k, T)] = min(seconds, best.get((k, T), seconds))
-            chooser.calibrated.update(best)
+            blank, with_context = {}, {}
+            try:
+                for k, T in tqdm(pairs * TIMING_ROUNDS, desc="timing steps", leave=False):
+                    seconds = runner.time_step(T, variants[(k, T)])
+                    blank[(k, T)] = min(seconds, blank.get((k, T), seconds))
+                    if context:
+                        inputs = runner.context_inputs(T, k, context, scratch[0])
+                        seconds = runner.time_step(T, variants[(k, T)], inputs=inputs)
+                        with_context[(k, T)] = min(seconds, with_context.get((k, T), seconds))
+            finally:
+                self.blocks.free_blocks(scratch)
+            chooser.calibrated.update(blank)
+            for (k, T), seconds in with_context.items():
+                query_tokens = runner.context_rows(T, k) * (k + 1)
+                chooser.context_cost[(k, T)] = max(seconds - blank[(k, T)], 0.0) / (query_tokens * context)
 
     def wait_compiled(self, timeout: float | None = None) -> bool:
         """Waits for the background compiles (warmup="tiered"): then every warm program has its best tier and the

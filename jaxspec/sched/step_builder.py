@@ -136,7 +136,8 @@ class StepBuilder:
             return 0, 0
         k = K
         if sampling and self.k_chooser is not None:
-            k = self.k_chooser.choose(index, len(sampling), sum(row.num_new for row in rows if not row.sample))
+            context = sum(row.request.num_computed for row in sampling) / len(sampling)   # tokens each row reads
+            k = self.k_chooser.choose(index, len(sampling), sum(row.num_new for row in rows if not row.sample), context)
         for row in sampling:
             row.request.num_proposed = k
         if self.k_chooser is None:
