@@ -388,7 +388,7 @@ def test_every_sequence_of_k_is_exact(target, drafters, exact_plain, method, dra
         llm = LLM(target, **{**ENGINE, "num_kv_blocks": 40, "warmup": False}, async_scheduling=mode,
                   speculative_config=dict(method=method, model=drafters[method], num_speculative_tokens=K,
                                           draft_sampling=draft_sampling, adaptive=True))
-        llm.engine.k_chooser.choose = lambda step, rows, prefill_tokens=0: SCHEDULE[step % len(SCHEDULE)]
+        llm.engine.k_chooser.choose = lambda step, rows, prefill_tokens=0, context=0.0: SCHEDULE[step % len(SCHEDULE)]
         runs[mode] = (results(llm, prompts, params), llm.stats()["spec"]["chosen_k"])
         assert llm.stats()["num_preemptions"] == 0
         assert all(n > 0 for n in runs[mode][1]), runs[mode][1]
