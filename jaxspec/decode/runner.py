@@ -323,8 +323,8 @@ class ModelRunner:
         `context` tokens into its sequence (a multiple of the block size): its keys before the context's last block
         are read from KV blocks of the pool, whatever they hold, a run of its own per row (live steps do not share
         their contexts' blocks); the rest of its table is `scratch_block`, where its own tokens' KV (and a drafter's)
-        is written. Its slot is the trash slot. So a step on these inputs does a live step's attention and leaves every live request
-        untouched, provided no request holds `scratch_block`."""
+        is written. Its slot is the trash slot. A step on these inputs does a live step's attention and leaves every
+        live request untouched, provided no request holds `scratch_block`."""
         sc = self.step_config
         n, width, per_row = self.context_rows(T, k), k + 1, context // sc.block_size
         if context % sc.block_size or context + 2 * width > sc.max_model_len:
@@ -344,7 +344,8 @@ class ModelRunner:
         inp.block_tables[:n, :reads] = np.arange(n * reads).reshape(n, reads) % sc.num_blocks
         return inp
 
-    def time_step(self, T: int, variant: StepVariant, runs: int = TIMED_RUNS, inputs: StepInputs | None = None) -> float:
+    def time_step(self, T: int, variant: StepVariant, runs: int = TIMED_RUNS,
+                  inputs: StepInputs | None = None) -> float:
         """Device seconds of one step of bucket T under this variant: its program run `runs` times back to back on
         `inputs` (by default blank ones: no row, every write goes to the trash slot, so live requests are untouched;
         `context_inputs` adds the attention over live contexts that a blank step leaves out), after UNTIMED_RUNS

@@ -583,14 +583,15 @@ class Engine:
         steps, and on steps whose rows read TIMED_CONTEXT tokens of context each (runner.context_inputs, writing to a
         block taken from the pool for the while). The first is the step's price with no context; the difference,
         per query token and context token, what each adds (the chooser scales it by the rows' contexts). A blank
-        step alone left out that attention, which grows with a row's k + 1 queries: on an H200 at batch 32 a live
-        k = 3 step took ~1.7x its blank time and a plain step ~1.3x, and adaptive k chose k = 3 where plain
-        decoding delivered as much (docs/lab/2026-11-28-trainer-and-drafters.md, seventh session). A time measured
-        from the loop's period instead carries every host pause (plain decoding's steps were timed at 1.5-3x their
-        real time there). Runs once the programs are compiled, at their best tier, after the program store's writes
-        (serializing the new programs on another thread), and keeps each pair's best of TIMING_ROUNDS: the first
-        pass after a warm-up timed steps at 1.5-2x the live loop's on a CPU, where the best of two came within
-        0-13% of it."""
+        step alone leaves out that attention, which grows with a row's k + 1 queries: on an H200 at batch 32 a live
+        k = 3 step took ~1.4x its blank time, and adaptive k chose k = 3 where plain decoding delivered as much.
+        With the contexts priced, the prices came within 2-5% of the live steps' periods, and adaptive k was above
+        plain over the saturated part at every batch from 1 to 64 (docs/lab/2026-11-28-trainer-and-drafters.md,
+        seventh and eighth sessions). A time measured from the loop's period instead carries every host pause
+        (plain decoding's steps were timed at 1.5-3x their real time there). Runs once the programs are compiled,
+        at their best tier, after the program store's writes (serializing the new programs on another thread), and
+        keeps each pair's best of TIMING_ROUNDS: the first pass after a warm-up timed steps at 1.5-2x the live
+        loop's on a CPU, where the best of two came within 0-13% of it."""
         chooser = self.k_chooser
         if chooser is None:
             return
