@@ -4,15 +4,13 @@ The header is parsed by `GGUFFile` (a light reader that skips over the vocabular
 building a numpy view per token, as `gguf.GGUFReader` does); tensors are dequantized from their raw
 block bytes by jit-compiled JAX code (`jaxspec.models.dequant`) into the target dtype, one tensor at a
 time, renamed to their HF names and handed to `params_from_hf_tensors`. The tokenizer is rebuilt from
-the GGUF vocabulary by transformers; the chat template and bos/eos ids come from the GGUF metadata.
+the GGUF vocabulary (`jaxspec.models.gguf_tokenizer`); the chat template and bos/eos ids come from the GGUF metadata.
 """
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import os
 import re
-import shutil
 import struct
 from pathlib import Path
 
@@ -403,52 +401,27 @@ def params_from_gguf(reader, config: ModelConfig, dtype="float32", backend: str 
     return params_from_hf_tensors(config, get_tensor, dtype)
 
 
-def _tokenizer_cache_dir(path: Path) -> Path:
-    """Where the tokenizer built from `path` is kept: keyed by the file's path, size and mtime."""
-    from jaxspec.models.presets import cache_dir
-
-    st = path.stat()
-    key = hashlib.sha256(f"{path}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    return cache_dir() / "tokenizers" / f"{path.stem}-{key}"
-
-
-def hf_tokenizer_from_gguf(path: str | os.PathLike, use_cache: bool = True):
-    """The transformers tokenizer that transformers builds from a GGUF vocabulary.
-
-    Building it re-parses the GGUF and converts the vocabulary (~15 s for Qwen's 151k tokens), so the
-    result is saved under the jaxspec cache and reloaded from there while the file is unchanged.
-    """
-    from transformers import AutoTokenizer
+def hf_tokenizer_from_gguf(path: str | os.PathLike, reader=None):
+    """The transformers tokenizer of the GGUF vocabulary at `path` (`reader`: the file already open): built by
+    jaxspec from the vocabulary for byte-level BPE files (`gguf_tokenizer`, no torch), by transformers' GGUF path
+    for the others."""
+    from jaxspec.models import gguf_tokenizer
 
     path = Path(path).resolve()
-    cached = _tokenizer_cache_dir(path)
-    if use_cache and (cached / "tokenizer.json").is_file():
-        return AutoTokenizer.from_pretrained(str(cached))
-    try:
-        hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    except Exception as e:
-        raise UnsupportedModelError(f"transformers could not build a tokenizer from {str(path)!r}: {e}") from e
-    if use_cache:
-        tmp = cached.with_name(f".{cached.name}.{os.getpid()}.partial")
-        try:
-            hf.save_pretrained(str(tmp))
-            if not cached.exists():
-                tmp.rename(cached)
-        except OSError:
-            pass  # an unwritable cache only costs time
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return hf
+    reader = reader if reader is not None else open_gguf(path)
+    if gguf_tokenizer.supported(reader):
+        return gguf_tokenizer.tokenizer_from_backend(gguf_tokenizer.backend_from_gguf(reader), reader)
+    return gguf_tokenizer.transformers_tokenizer(path)
 
 
-def tokenizer_from_gguf(path: str | os.PathLike, reader, use_cache: bool = True):
-    """A jaxspec Tokenizer built by transformers from the GGUF vocabulary, with the GGUF chat template
-    and bos/eos ids; None when the GGUF carries no vocabulary."""
+def tokenizer_from_gguf(path: str | os.PathLike, reader):
+    """A jaxspec Tokenizer of the GGUF vocabulary (`hf_tokenizer_from_gguf`), with the GGUF chat template and
+    bos/eos ids; None when the GGUF carries no vocabulary."""
     from jaxspec.models.tokenizer import Tokenizer
 
     if reader.get_field("tokenizer.ggml.tokens") is None:
         return None
-    hf = hf_tokenizer_from_gguf(path, use_cache)
+    hf = hf_tokenizer_from_gguf(path, reader)
     eos = metadata(reader, "tokenizer.ggml.eos_token_id")
     bos = metadata(reader, "tokenizer.ggml.bos_token_id")
     return Tokenizer(hf, chat_template=metadata(reader, "tokenizer.chat_template"),
