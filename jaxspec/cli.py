@@ -181,9 +181,9 @@ def load_app(args, options):
     from jaxspec.serve import build_app
     model = args.model
     if args.random_weights:
-        from jaxspec.llm import _resolve_dtype
+        from jaxspec.models.weights import resolve_dtype
         from jaxspec.models.random import random_model
-        model = random_model(args.model, dtype=_resolve_dtype(args.dtype), seed=args.seed)
+        model = random_model(args.model, dtype=resolve_dtype(args.dtype), seed=args.seed)
     llm = LLM(model, **engine_kwargs(args))
     return build_app(llm, args.served_model_name or args.model, http_options=http_options(args), options=options)
 

@@ -21,13 +21,6 @@ from jaxspec.sched.request import Request
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
-def _resolve_dtype(dtype: str) -> str:
-    if dtype != "auto":
-        return dtype
-    import jax
-    return "bfloat16" if jax.default_backend() == "gpu" else "float32"
-
-
 class LLM:
     """An engine over one model.
 
@@ -46,7 +39,7 @@ class LLM:
         from jaxspec.models.loader import load_model
 
         t0 = time.perf_counter()
-        self.model = model if hasattr(model, "params") else load_model(model, dtype=_resolve_dtype(dtype))
+        self.model = model if hasattr(model, "params") else load_model(model, dtype=dtype)
         weights_s = time.perf_counter() - t0
         self.tokenizer = self.model.tokenizer
         self.engine = Engine(self.model, EngineConfig(

@@ -37,12 +37,12 @@ def main():
         if not RUN.match(run):
             raise SystemExit(f"--run {run!r}: expected [no]pack-bN[-parallel], e.g. nopack-b8 or pack-b16-parallel")
 
-    from jaxspec.llm import _resolve_dtype
+    from jaxspec.models.weights import resolve_dtype
     from jaxspec.models.loader import load_model
     from jaxspec.train import TrainConfig, load_sharegpt, render, train
 
     t0 = time.perf_counter()
-    target = load_model(args.model, _resolve_dtype("auto"))
+    target = load_model(args.model, resolve_dtype("auto"))
     examples = render(target.tokenizer, load_sharegpt(args.num_examples, args.dataset_path), args.seq_len)
     print(f"target and {len(examples)} examples ({examples.num_target_tokens} target tokens) ready in "
           f"{time.perf_counter() - t0:.0f} s", flush=True)

@@ -48,7 +48,7 @@ def main():
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxspec.llm import _resolve_dtype
+    from jaxspec.models.weights import resolve_dtype
     from jaxspec.models.loader import load_model
     from jaxspec.nn.eagle import EagleHead
     from jaxspec.train import TrainConfig, load_sharegpt, render
@@ -56,7 +56,7 @@ def main():
                                       peak_flops, training_flops)
     from profile_step import kernel_breakdown
 
-    target = load_model(args.model, _resolve_dtype("auto"))
+    target = load_model(args.model, resolve_dtype("auto"))
     tc = target.config
     examples = render(target.tokenizer, load_sharegpt(args.num_examples, args.dataset_path), args.seq_len).pack()
     B = args.batch_size

@@ -139,9 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def model_from_args(args):
     """The model --model names, in --dtype: its checkpoint, or its shapes with random weights (--random-weights)."""
-    from jaxspec.llm import _resolve_dtype
+    from jaxspec.models.weights import resolve_dtype
     from jaxspec.models.loader import load_model
-    dtype = _resolve_dtype(args.dtype)
+    dtype = resolve_dtype(args.dtype)
     if args.random_weights:
         from jaxspec.models.random import random_model
         model = random_model(args.model, dtype=dtype, seed=args.seed)

@@ -202,7 +202,11 @@ def layer_sources(kind: str, name: str, config) -> tuple[str, ...]:
 
 
 def resolve_dtype(dtype) -> str:
-    """'bfloat16' or 'float32' from a name ('bf16', 'fp32' too) or a numpy/jax dtype; ValueError otherwise."""
+    """'bfloat16' or 'float32' from a name ('bf16', 'fp32' too; 'auto': bfloat16 on a GPU, float32 elsewhere) or a
+    numpy/jax dtype; ValueError otherwise."""
+    if dtype == "auto":
+        import jax
+        return "bfloat16" if jax.default_backend() == "gpu" else "float32"
     if isinstance(dtype, str):
         name = _DTYPE_ALIASES.get(dtype.lower(), dtype.lower())
     else:
@@ -211,7 +215,8 @@ def resolve_dtype(dtype) -> str:
         except TypeError:
             name = repr(dtype)
     if name not in DTYPES:
-        raise ValueError(f"unsupported dtype {dtype!r}; supported: 'bfloat16', 'float32' (or jnp.bfloat16, jnp.float32)")
+        raise ValueError(f"unsupported dtype {dtype!r}; supported: 'auto', 'bfloat16', 'float32' (or jnp.bfloat16, "
+                         "jnp.float32)")
     return name
 
 

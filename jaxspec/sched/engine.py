@@ -304,6 +304,10 @@ class Engine:
     def compile_structured(self, params: StructuredOutputsParams) -> TokenAutomaton:
         return self.intake.compile_structured(params)
 
+    def stop_compiling(self):
+        """Ends the constraint compiles under way and refuses later ones (a server shutting down)."""
+        self.intake.stop_compiling()
+
     def abort(self, request_id: str):
         """Ends the request (or every completion of a group) with finish_reason "abort": at once when the
         caller drives the loop, at the start of the loop's next step when it runs on its own thread."""

@@ -164,7 +164,7 @@ class Server:
         self.draining = True
         await self._wait_for_jobs(loop.time() + grace)
         self.accepting = False
-        self.llm.engine.intake.stop_compiling()
+        self.llm.engine.stop_compiling()
         for job in list(self.jobs):
             job.stop()
         await self._wait_for_jobs(loop.time() + ABORT_WAIT_SECONDS)
@@ -486,7 +486,7 @@ def build_app(llm, model_name: str, api_key: str | None = None, http_options: HT
         try:
             yield
         finally:
-            llm.engine.intake.stop_compiling()
+            llm.engine.stop_compiling()
             llm.engine.stop()
 
     app = FastAPI(title="jaxspec", lifespan=lifespan)

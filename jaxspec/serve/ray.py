@@ -158,9 +158,9 @@ class JaxspecServer:
         from jaxspec.llm import LLM
         from jaxspec.serve.app import build_app
         if random_weights:
-            from jaxspec.llm import _resolve_dtype
+            from jaxspec.models.weights import resolve_dtype
             from jaxspec.models.random import random_model
-            model = random_model(model, dtype=_resolve_dtype(llm_kwargs.get("dtype", "auto")),
+            model = random_model(model, dtype=resolve_dtype(llm_kwargs.get("dtype", "auto")),
                                  seed=llm_kwargs.get("seed", 0))
         self.llm = LLM(model, **llm_kwargs)
         self.app = build_app(self.llm, served_model_name, http_options=http_options, options=options)
@@ -197,7 +197,7 @@ class JaxspecServer:
     def __del__(self):
         try:
             self.stopped.set()
-            self.llm.engine.intake.stop_compiling()
+            self.llm.engine.stop_compiling()
             self.llm.engine.stop()
         except Exception:   # shutting down: nothing left to tell
             pass

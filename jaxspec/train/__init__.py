@@ -54,9 +54,9 @@ def train_eagle3(model, out_dir, *, num_conversations: int = 2000, steps: int = 
     if isinstance(model, Model):
         target = model
     else:
-        from jaxspec.llm import _resolve_dtype
+        from jaxspec.models.weights import resolve_dtype
         from jaxspec.models.loader import load_model
-        target = load_model(model, _resolve_dtype(dtype))
+        target = load_model(model, resolve_dtype(dtype))
     if conversations is None:
         conversations = load_sharegpt(num_conversations + num_held_out, dataset_path)
     if regenerate_responses:
