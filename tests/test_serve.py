@@ -442,10 +442,10 @@ def test_masked_processed_logprobs_are_written_as_json_numbers():
     server writes it, -9999.0, in both APIs' logprobs."""
     import json
     import types
-    from jaxspec.serve.app import Server
+    from jaxspec.serve.serving_common import LogprobJSON
     server = types.SimpleNamespace(token_text=str)
     entries = [{"token_id": 3, "logprob": -0.25, "top": [(3, -0.25), (5, float("-inf"))]}]
-    chat, completion = Server.chat_logprobs(server, entries), Server.completion_logprobs(server, entries, 0)
+    chat, completion = LogprobJSON.chat_logprobs(server, entries), LogprobJSON.completion_logprobs(server, entries, 0)
     json.dumps([chat, completion], allow_nan=False)
     assert [t["logprob"] for t in chat["content"][0]["top_logprobs"]] == [-0.25, -9999.0]
     assert completion["top_logprobs"] == [{"3": -0.25, "5": -9999.0}] and completion["token_logprobs"] == [-0.25]
@@ -471,7 +471,7 @@ def test_drain_lets_running_requests_finish_within_the_grace_period_then_aborts_
     async def drain(grace: float):
         compiles = []
         server = types.SimpleNamespace(jobs=set(), draining=False, accepting=True, llm=types.SimpleNamespace(
-            engine=types.SimpleNamespace(intake=types.SimpleNamespace(stop_compiling=lambda: compiles.append(1)))))
+            engine=types.SimpleNamespace(stop_compiling=lambda: compiles.append(1))))
         server._wait_for_jobs = lambda until: Server._wait_for_jobs(server, until)
         quick, slow = Job(server, 0.2), Job(server, 60)
         server.jobs |= {quick, slow}
