@@ -23,13 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-
-def _next_pow2(x: int) -> int:
-    return 1 if x <= 1 else 1 << (x - 1).bit_length()
-
-
-def _default_interpret(interpret: bool | None) -> bool:
-    return jax.default_backend() != "gpu" if interpret is None else bool(interpret)
+from jaxspec.pallas.common import interpreted, next_pow2
 
 
 def acceptance_reference(draft_ids, valid, p_d, q_d, uniforms, is_greedy, target_argmax, recovered, num_drafts):
@@ -82,7 +76,7 @@ def _acceptance_kernel(d_ref, valid_ref, pd_ref, qd_ref, u_ref, greedy_ref, am_r
 def _acceptance_call(draft_ids, valid, p_d, q_d, uniforms, is_greedy, target_argmax, recovered, num_drafts,
                      *, interpret: bool, block_rows: int):
     r, k = draft_ids.shape
-    width = _next_pow2(k + 1)
+    width = next_pow2(k + 1)
     br = block_rows
     r_pad = -(-r // br) * br
 
@@ -130,8 +124,8 @@ def acceptance(draft_ids, valid, p_d, q_d, uniforms, is_greedy, target_argmax, r
     """
     r = draft_ids.shape[0]
     if block_rows is None:
-        block_rows = min(128, max(16, _next_pow2(r)))
+        block_rows = min(128, max(16, next_pow2(r)))
     if block_rows & (block_rows - 1):
         raise ValueError(f"block_rows must be a power of two, got {block_rows}")
     return _acceptance_call(draft_ids, valid, p_d, q_d, uniforms, is_greedy, target_argmax, recovered,
-                            num_drafts, interpret=_default_interpret(interpret), block_rows=block_rows)
+                            num_drafts, interpret=interpreted(interpret), block_rows=block_rows)

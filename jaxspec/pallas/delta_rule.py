@@ -32,6 +32,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jaxspec.pallas.common import interpreted
+
 
 def _kernel(layer_ref, first_ref, count_ref, slot_ref, start_ref, q_ref, k_ref, v_ref, beta_ref, g_ref,
             o_in_ref, ring_in_ref, o_ref, ring_ref, *, window: int):
@@ -65,8 +67,7 @@ def delta_rule_recurrent(q, k, v, beta, g, ring, layer, first, count, slot, star
     f32; layer: i32 scalar; per row r: first [R] its first token's index, count [R] its tokens that keep state
     (a prefix), slot [R], start [R] its first token's position; o [T, Hv, dv]: outputs of other tokens, kept
     (None: zeros). -> (o [T, Hv, dv] f32, ring)."""
-    if interpret is None:
-        interpret = jax.default_backend() != "gpu"
+    interpret = interpreted(interpret)
     T, Hv, dv = v.shape
     R = first.shape[0]
     i32 = lambda x: jnp.asarray(x, jnp.int32)   # noqa: E731
@@ -216,8 +217,7 @@ def delta_rule_chunked(q, k, v, beta, g, ring, layer, first, count, slot, start,
 
     On the GPU each f32 matmul is three TF32 products on the tensor cores (f32 to ~1e-6); ieee=True makes them
     f32 FMAs instead, which Triton unrolls: measured on the H100, minutes to compile. Interpreted: f32."""
-    if interpret is None:
-        interpret = jax.default_backend() != "gpu"
+    interpret = interpreted(interpret)
     T, Hv, dv = v.shape
     dk, R, C = q.shape[2], first.shape[0], chunk
     bv = min(block_v, dv)

@@ -35,6 +35,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jaxspec.pallas.common import interpreted
+
 MAX_ROWS = 32   # tokens the kernel takes; larger steps are matrix-bound and go to XLA's GEMMs
 
 
@@ -134,8 +136,7 @@ def gemv(x, w, layer, norm=None, residual=None, scale=None, *, tiling: Tiling = 
     -> [T, N] (pairs: silu(gate) * up [T, F]) in x's dtype, or with tiling.splits = S > 1 the f32 partial sums
     [S, T, N] (their sum is the product; residual not allowed). packed: read the FP8 weight as uint16 pairs
     (None: where `needs_packing`; True forces it, as the tests do at small sizes)."""
-    if interpret is None:
-        interpret = jax.default_backend() != "gpu"
+    interpret = interpreted(interpret)
     if packed is None:
         packed = needs_packing(w)
     if packed and (scale is None or w.dtype != jnp.float8_e4m3fn or w.shape[-1] % 2 or tiling.block_k % 2):

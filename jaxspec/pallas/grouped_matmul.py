@@ -30,6 +30,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jaxspec.pallas.common import interpreted
+
 
 @dataclasses.dataclass(frozen=True)
 class Tiling:
@@ -127,8 +129,7 @@ def grouped_matmul(x, w, layer, group_sizes, scale=None, *, tiling: Tiling = Til
     expert, summing to R) -> [R, N] in out_dtype (None: x's dtype), float32 accumulation; as
     `jax.lax.ragged_dot(x, w[layer], group_sizes)`. scale f32[L, E, N]: w holds FP8 values, each expert's output
     column scaled by its own scale."""
-    if interpret is None:
-        interpret = jax.default_backend() != "gpu"
+    interpret = interpreted(interpret)
     R, K = x.shape
     L, E, Kw, N = w.shape
     if Kw != K or group_sizes.shape != (E,):

@@ -21,6 +21,8 @@ from jax.experimental import pallas as pl
 
 from jax.experimental.pallas import triton as plgpu
 
+from jaxspec.pallas.common import interpreted, next_pow2, softmax_update
+
 _MIN_ROWS = 16  # the matrix unit's smallest tile
 PAGES_PER_ITER = 4  # pages each loop iteration loads at once (4 x 16 keys)
 # Context splits this (unfused) kernel uses. Measured on an H100 from replayed steps
@@ -29,10 +31,6 @@ PAGES_PER_ITER = 4  # pages each loop iteration loads at once (4 x 16 keys)
 # layer at 64-200 tokens, which the replays did not show; the fused kernel splits decode steps (`fused_splits`), this
 # one is left as measured.
 NUM_SPLITS = 1
-
-
-def _next_pow2(x: int) -> int:
-    return 1 if x <= 1 else 1 << (x - 1).bit_length()
 
 
 def _kernel(layer_ref, window_ref, pos_ref, row_ref, tables_ref, sinks_ref, q_ref, k_ref, v_ref, *out_refs,
@@ -67,11 +65,7 @@ def _kernel(layer_ref, window_ref, pos_ref, row_ref, tables_ref, sinks_ref, q_re
                                 preferred_element_type=jnp.float32) * scale     # [G16, P*bs]
         key_pos = j * keys + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
         visible = key_pos <= pos if window is None else (key_pos <= pos) & (key_pos > pos - window)
-        s = jnp.where(visible, s, -1e30)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        correction = jnp.exp(m - m_new)
-        p = jnp.exp(s - m_new[:, None])
-        l = l * correction + jnp.sum(p, axis=1)
+        m_new, correction, p, l = softmax_update(m, l, jnp.where(visible, s, -1e30))
         o = o * correction[:, None] + jax.lax.dot_general(
             p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
         return o, m_new, l
@@ -159,12 +153,11 @@ def paged_attention(q, k_pool, v_pool, layer, positions, row_of_token, block_tab
     sliding `window`, an i32 scalar, > its own - window: the pages before the window are not read). `sinks`: f32
     [Hq], each query head's attention-sink logit (in the softmax's sum, attending to nothing), or None.
     num_splits: programs sharing one token's context. -> [T, Hq*hd]."""
-    if interpret is None:
-        interpret = jax.default_backend() != "gpu"
+    interpret = interpreted(interpret)
     T, Hq, hd = q.shape
     L, S, Hkv, _ = k_pool.shape
     G = Hq // Hkv
-    G16 = max(_MIN_ROWS, _next_pow2(G))
+    G16 = max(_MIN_ROWS, next_pow2(G))
     # On a GPU masked lanes touch no memory; the interpreter slices instead (and clamps slices that run
     # past the end), so there the head axis gets G16 spare rows.
     spare = G16 if interpret else 0
@@ -172,7 +165,7 @@ def paged_attention(q, k_pool, v_pool, layer, positions, row_of_token, block_tab
     pages = (L, S // block_size, block_size, Hkv, hd)
     R, MB = block_tables.shape
     # Tables padded to whole iterations (-1: no block), so a page group never reads past a row's end.
-    P = min(PAGES_PER_ITER, _next_pow2(MB))
+    P = min(PAGES_PER_ITER, next_pow2(MB))
     MBp = -(-MB // P) * P
     if MBp != MB:
         block_tables = jnp.pad(block_tables, ((0, 0), (0, MBp - MB)), constant_values=-1)
@@ -289,11 +282,7 @@ def _fused_kernel(layer_ref, wlayer_ref, window_ref, pos_ref, slot_ref, first_re
         o1, o2, m, l = carry
         s = sum(jax.lax.dot_general(qi, ki.astype(dtype), (((1,), (1,)), ((), ())),
                                     preferred_element_type=jnp.float32) for qi, ki in zip(q, k)) * scale
-        s = jnp.where(visible, s, -1e30)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        correction = jnp.exp(m - m_new)
-        p = jnp.exp(s - m_new[:, None])
-        l = l * correction + jnp.sum(p, axis=1)
+        m_new, correction, p, l = softmax_update(m, l, jnp.where(visible, s, -1e30))
         o1, o2 = (oi * correction[:, None] + jax.lax.dot_general(
             p.astype(dtype), vi.astype(dtype), (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
             for oi, vi in zip((o1, o2), v))
@@ -388,24 +377,23 @@ def paged_attention_fused(qkv, k_pool, v_pool, layer, cos, sin, positions, slot_
     (each token sees the keys at its position and the window - 1 before; the pages before it are not read); sinks:
     f32 [Hq] attention-sink logits, or None.
     -> (out [T, Hq*hd], k_pool, v_pool with this step's k/v written)."""
-    if interpret is None:
-        interpret = jax.default_backend() != "gpu"
+    interpret = interpreted(interpret)
     T = qkv.shape[0]
     L, S, Hkv, hd = k_pool.shape
     G = num_heads // Hkv
     W = G + 2
-    q_rows = max(_MIN_ROWS, _next_pow2(G))
+    q_rows = max(_MIN_ROWS, next_pow2(G))
     qkv = qkv.reshape(T, Hkv * W, hd)
     NS = fused_splits(T) if num_splits is None else num_splits
     # this step's keys per iteration: a split (decode-sized) step's rows have a few each (one per decode token)
-    chunk = _MIN_ROWS if NS > 1 else max(_MIN_ROWS, min(64, _next_pow2(T)))
+    chunk = _MIN_ROWS if NS > 1 else max(_MIN_ROWS, min(64, next_pow2(T)))
     # On a GPU masked lanes touch no memory; the interpreter slices instead (clamping slices that run past the
     # end), so there qkv, cos and sin get spare tokens and head rows.
     spare_t, spare_r = (chunk, q_rows) if interpret else (0, 0)
     pad = lambda x, *widths: jnp.pad(x, [(0, w) for w in widths]) if interpret else x   # noqa: E731
     pages = (L, S // block_size, block_size, Hkv, hd)
     R, MB = block_tables.shape
-    P = min(PAGES_PER_ITER if NS == 1 else _split_pages(NS, block_size), _next_pow2(MB))
+    P = min(PAGES_PER_ITER if NS == 1 else _split_pages(NS, block_size), next_pow2(MB))
     MBp = -(-MB // P) * P
     if MBp != MB:
         block_tables = jnp.pad(block_tables, ((0, 0), (0, MBp - MB)), constant_values=-1)

@@ -19,13 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-
-def _next_pow2(x: int) -> int:
-    return 1 if x <= 1 else 1 << (x - 1).bit_length()
-
-
-def _default_interpret(interpret: bool | None) -> bool:
-    return jax.default_backend() != "gpu" if interpret is None else bool(interpret)
+from jaxspec.pallas.common import interpreted, next_pow2
 
 
 def _slots(pos, row, valid, gather, *, num_rows, max_blocks, block_size, num_slots):
@@ -89,9 +83,9 @@ def slot_mapping(positions, row_of_token, valid, block_tables, block_size: int, 
     if t == 0:
         return jnp.zeros((0,), jnp.int32)
     if block_tokens is None:
-        block_tokens = min(256, max(16, _next_pow2(t)))
+        block_tokens = min(256, max(16, next_pow2(t)))
     if block_tokens & (block_tokens - 1):
         raise ValueError(f"block_tokens must be a power of two, got {block_tokens}")
     return _slot_mapping_call(positions, row_of_token, valid, block_tables, block_size=int(block_size),
-                              num_slots=int(num_slots), interpret=_default_interpret(interpret),
+                              num_slots=int(num_slots), interpret=interpreted(interpret),
                               block_tokens=block_tokens)
