@@ -76,17 +76,17 @@ class Leader:
         with Listener(("", port), authkey=_authkey()) as listener:
             self.conns = [listener.accept() for _ in range(num_followers)]
         self.engine = engine
-        engine.intake.refuse_structured = ("not supported by an engine across processes (jaxspec.distributed): "
-                                           "the automata tables would live on process 0's devices only")
-        engine.runner.mirror = self.send
+        engine.intake.refuse_structured_outputs("not supported by an engine across processes (jaxspec.distributed): "
+                                                "the automata tables would live on process 0's devices only")
+        engine.runner.mirror_to(self.send)
 
     def send(self, op: str, *args):
         for conn in self.conns:
             conn.send((op, args))
 
     def close(self):
-        self.engine.runner.mirror = None
-        self.engine.intake.refuse_structured = None
+        self.engine.runner.mirror_to(None)
+        self.engine.intake.refuse_structured_outputs(None)
         for conn in self.conns:
             try:
                 conn.send(("stop", ()))

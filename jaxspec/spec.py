@@ -23,7 +23,7 @@ class SpeculativeConfig:
     # A draft model's placement under tensor parallelism (vLLM's field of the same name): 1 keeps it whole on every
     # device, which runs its forwards with no all-reduce (split, each of its k forwards per step pays two per
     # layer); the engine's tensor_parallel_size splits it over the devices as the target is. None (unset): the
-    # faster of the two for a draft model, by its size against its all-reduces (jaxspec.sched.engine
+    # faster of the two for a draft model, by its size against its all-reduces (jaxspec.decode.drafters.placement
     # draft_runs_whole: a 1B draft whole, an 8B one split; vLLM always splits it), split for the heads, which read
     # the target's split embedding and lm_head.
     draft_tensor_parallel_size: int | None = None
@@ -65,9 +65,24 @@ class SpeculativeConfig:
         raise ValueError(f"speculative_config must be a SpeculativeConfig or a dict, got {type(value).__name__}")
 
 
-def build_drafter(spec: SpeculativeConfig, target):
-    """-> (drafter, drafter_params) for the engine's step. The drafter does not keep the number of drafts:
-    the engine puts `spec.num_speculative_tokens` into its StepConfig, where the step reads it."""
+def build_drafter(spec: SpeculativeConfig, target, quantization: str | None = None, tensor_parallel_size: int = 1):
+    """-> (drafter, drafter_params) for the engine's step: its params quantized as `quantization` says (a draft model
+    from a quantized checkpoint is taken as it is) and the drafter placed for `tensor_parallel_size` devices
+    (jaxspec.decode.drafters.placement). The drafter does not keep the number of drafts: the engine puts
+    `spec.num_speculative_tokens` into its StepConfig, where the step reads it. Heads are quantized here, at serving
+    only: training (jaxspec.train) builds unquantized heads."""
+    from jaxspec.decode.drafters.placement import whole_on_each_device
+    drafter, params = _loaded_drafter(spec, target)
+    if quantization is not None and params is not None:   # n-gram has no weights
+        from jaxspec.nn import quant
+        if not quant.quantized_names(params):
+            params = quant.quantize_params(params)
+    whole = whole_on_each_device(spec, tensor_parallel_size, drafter, params)   # on the bytes it will read
+    return drafter.configured(quantization if params is not None else None, whole), params
+
+
+def _loaded_drafter(spec: SpeculativeConfig, target):
+    """(drafter, params) as the method's files or model give them: unquantized, unplaced."""
     if spec.method == "ngram":
         from jaxspec.decode.drafters.ngram import NgramDrafter
         return NgramDrafter(spec.prompt_lookup_min, spec.prompt_lookup_max), None

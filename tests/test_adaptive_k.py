@@ -251,7 +251,7 @@ def test_a_held_k_never_loses_to_plain_decoding():
 
 
 def test_the_rows_context_prices_their_attention():
-    """Each query token's attention grows with its row's context (Engine.time_steps times it: `context_cost`), and a
+    """Each query token's attention grows with its row's context (engine.pricing.time_steps times it: `context_cost`), and a
     step of width k has k + 1 query tokens a row: at short contexts speculation pays, at long ones the drafts'
     attention costs more than they bring and plain decoding wins. At every context of the sweep the choice is within
     MARGIN of the best rate with the attention priced in; without it, speculation would be chosen throughout."""
@@ -434,7 +434,7 @@ def test_drafts_after_plain_steps_match_a_dense_reference(target, drafters, refe
 
 def test_warmup_times_every_width_and_the_chooser_prices_by_those_times(target, drafters):  # noqa: F811
     """The warm-up compiles every draft width and times each (draft width, bucket) on blank steps
-    (Engine.time_steps), so choosing k never compiles and the chooser prices by device times from the first step:
+    (engine.pricing.time_steps), so choosing k never compiles and the chooser prices by device times from the first step:
     with plain decoding priced cheapest by far it runs k = 0 throughout, no width explored, nothing measured again
     (the loop's period, which carries every host pause, no longer sets a price). The tokens are plain decoding's."""
     prompts = [prompt_of(6, 20), prompt_of(11, 21)]
@@ -470,7 +470,7 @@ def test_tiered_warmup_times_every_width_once_its_compiles_end(target):  # noqa:
 
 
 def test_timing_steps_mid_run_leaves_live_requests_untouched(target, drafters):  # noqa: F811
-    """Engine.time_steps runs blank steps on the live state (with the tiered warm-up of a GPU it runs when the
+    """engine.pricing.time_steps runs blank steps on the live state (with the tiered warm-up of a GPU it runs when the
     background compiles end, between live steps, one step in flight): their writes go to the trash slot, so the
     requests get the same tokens and the same drafts accepted as without it (the EAGLE-3 head's own KV and saved
     feature untouched)."""
@@ -484,7 +484,7 @@ def test_timing_steps_mid_run_leaves_live_requests_untouched(target, drafters): 
             engine.step()
             steps += 1
             if time_mid and steps in (3, 6):
-                engine.time_steps()
+                engine.pricing.time_steps()
         if time_mid:
             assert len(engine.k_chooser.calibrated) == (K + 1) * len(engine.runner.token_buckets)
         return [(r.output_token_ids, r.num_draft_tokens, r.num_accepted_tokens) for r in reqs]
@@ -494,7 +494,7 @@ def test_timing_steps_mid_run_leaves_live_requests_untouched(target, drafters): 
 
 
 def test_a_context_step_reads_its_rows_contexts_and_writes_only_its_scratch_block(target, drafters):  # noqa: F811
-    """runner.context_inputs (what Engine.time_steps times the attention over contexts with): its rows read their
+    """pricing.context_inputs (what engine.pricing.time_steps times the attention over contexts with): its rows read their
     contexts' KV blocks (other KV in those blocks gives other KV written after them; KV in a block no row reads
     changes nothing), and the step writes only the scratch block's KV (the target's and the EAGLE-3 head's) and the
     trash slot's state: a live request that holds no block of it is untouched (the head writes the KV of the
@@ -504,11 +504,12 @@ def test_a_context_step_reads_its_rows_contexts_and_writes_only_its_scratch_bloc
     from jaxspec.decode.state import DecodeState, state_schema
     from jaxspec.nn.schema import Spec
     from jaxspec.decode.step import StepVariant
+    from jaxspec.sched.pricing import context_inputs, context_rows, time_step
     engine = spec_llm(target, "eagle3", drafters["eagle3"]).engine
     runner, sc = engine.runner, engine.step_config
     T, context, scratch = runner.token_buckets[0], 24, sc.num_blocks - 1
-    inputs = runner.context_inputs(T, K, context, scratch)
-    assert runner.context_rows(T, K) == 2 and list(inputs.rows["start"][:3]) == [context, context, 0]
+    inputs = context_inputs(runner, T, K, context, scratch)
+    assert context_rows(runner, T, K) == 2 and list(inputs.rows["start"][:3]) == [context, context, 0]
     specs = DecodeState(**state_schema(runner.target, sc), drafter=runner.drafter.state_schema(sc))
     spec_leaves = jax.tree_util.tree_leaves(specs, is_leaf=lambda x: isinstance(x, Spec))
     scratch_slots = np.arange(scratch * sc.block_size, (scratch + 1) * sc.block_size)
@@ -529,7 +530,7 @@ def test_a_context_step_reads_its_rows_contexts_and_writes_only_its_scratch_bloc
 
     def run(state):   # the step's runs (untimed and timed) from this state -> the state after, on the host
         runner.state = state
-        runner.time_step(T, StepVariant(), runs=1, inputs=inputs)
+        time_step(runner, T, StepVariant(), runs=1, inputs=inputs)
         return jax.tree_util.tree_map(np.asarray, runner.state)
 
     def noised(x):   # every float of the state random: a write anywhere shows
@@ -566,8 +567,8 @@ def test_a_programs_first_runs_are_not_timed(target, monkeypatch):  # noqa: F811
     command buffer is recorded then: a pair measured once on such a run kept a slow time while unpicked), and the
     time of every later run."""
     from jaxspec.decode.runner import UNTIMED_RUNS
-    from jaxspec.sched.engine import Engine
-    monkeypatch.setattr(Engine, "time_steps", lambda self: None)   # no blank runs: the live steps are the first
+    from jaxspec.sched.pricing import StepPricing
+    monkeypatch.setattr(StepPricing, "time_steps", lambda self: None)   # no blank runs: the live steps are the first
     llm = spec_llm(target, "ngram", warmup=True)
     runner, chooser = llm.engine.runner, llm.engine.k_chooser
     keys, timed = [], []   # the program of each step, by step number; (step, seconds) as the chooser got them

@@ -22,7 +22,7 @@ import jaxspec.decode.inputs as inputs_mod
 from jaxspec import LLM, SamplingParams
 from jaxspec.decode.step import StepVariant
 from jaxspec.nn import Decoder
-from jaxspec.sched.engine import WARM_VARIANTS
+from jaxspec.sched.warmup import WARM_VARIANTS
 
 MAX_MODEL_LEN = 128                      # the tiny model's max_position_embeddings
 TINY = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=MAX_MODEL_LEN, num_kv_blocks=64)

@@ -13,7 +13,7 @@ from jaxspec import LLM, SamplingParams
 from jaxspec.decode.compiler import StepPrograms
 from jaxspec.decode.step import StepVariant
 from jaxspec.sched.adaptive import KChooser
-from jaxspec.sched.engine import WARM_VARIANTS
+from jaxspec.sched.warmup import WARM_VARIANTS
 from test_spec import ENGINE, drafters, prompt_of, target  # noqa: F401 (fixtures)
 
 BUCKETS = [8, 16]
@@ -125,11 +125,19 @@ def test_a_request_is_served_while_other_programs_compile(target, monkeypatch): 
 
 
 def test_adaptive_k_picks_only_compiled_widths():
-    c = KChooser(3, 64, lambda n: max(8, 1 << (n - 1).bit_length()))
+    class Compiling:   # what decode.compiled.CompiledSteps answers while widths 2 and 3 compile in the background
+        widths = {0, 1}
+
+        def ready(self, k, T):
+            return k in self.widths
+
+        def token_budget(self):
+            return 64
+    compiled = Compiling()
+    c = KChooser(3, 64, lambda n: max(8, 1 << (n - 1).bit_length()), compiled)
     c.time_model = lambda k, T: 1.0 + 0.01 * T   # drafts cost nothing here: the widest k wins
-    c.ready = lambda k, T: k in (0, 1)
     assert {c.choose(s, 2) for s in range(20)} == {1}
-    c.ready = None
+    compiled.widths = {0, 1, 2, 3}   # the compiles ended
     assert c.choose(20, 2) == 3
 
 

@@ -164,14 +164,14 @@ def test_unset_a_small_draft_model_runs_whole_a_large_one_and_a_head_split(targe
     than the all-reduces it saves (Llama-3.2-1B's 2.5 GB and 16 layers at TP=2 and 4, and the test's tiny one), split
     where they cost more (Llama-3.1-8B's 16 GB and 32 layers as a draft); an EAGLE-3 head split as the target is (it
     reads the target's split embedding and lm_head)."""
-    from jaxspec.sched import engine
-    assert engine.draft_runs_whole(2_471_000_000, 16, 2) and engine.draft_runs_whole(2_471_000_000, 16, 4)
-    assert not engine.draft_runs_whole(16_060_000_000, 32, 2)
+    from jaxspec.decode.drafters import placement
+    assert placement.draft_runs_whole(2_471_000_000, 16, 2) and placement.draft_runs_whole(2_471_000_000, 16, 4)
+    assert not placement.draft_runs_whole(16_060_000_000, 32, 2)
     for method, whole in [("draft_model", True), ("eagle3", False)]:
         llm = LLM(target, **TP_ENGINE_SPEC, tensor_parallel_size=2, speculative_config=dict(
             method=method, model=drafters[method], num_speculative_tokens=3))
         assert getattr(llm.engine.runner.drafter, "whole_on_each_device", False) is whole, method
-    monkeypatch.setattr(engine, "DRAFT_HBM_BYTES_PER_S", 1.0)   # weight reads that cost more than any all-reduce
+    monkeypatch.setattr(placement, "DRAFT_HBM_BYTES_PER_S", 1.0)   # weight reads that cost more than any all-reduce
     llm = LLM(target, **TP_ENGINE_SPEC, tensor_parallel_size=2, speculative_config=dict(
         method="draft_model", model=drafters["draft_model"], num_speculative_tokens=3))
     assert not llm.engine.runner.drafter.whole_on_each_device

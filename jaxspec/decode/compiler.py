@@ -91,12 +91,14 @@ class ProgramStore:
     the 1.5B model, 2.1 s with a draft model, measured on an H100), and knows at once which programs it has tuned.
     A file that fails to load is removed and its program compiled again. Only programs compiled by this process are
     kept: a CPU program loaded from JAX's persistent cache and serialized again failed to run ("Function ... not
-    found"). The fingerprints used least recently are pruned beyond `keep`."""
+    found"). The fingerprints used least recently are pruned beyond `keep`. `device_ids`: the devices every program
+    runs on, in the order it is compiled for (the runner's: its mesh's, or its one device)."""
 
     SUFFIX = ".xla"
 
-    def __init__(self, root, fingerprint: str, keep: int = 8):
+    def __init__(self, root, fingerprint: str, device_ids: list[int], keep: int = 8):
         self.dir = pathlib.Path(root) / fingerprint
+        self.device_ids = list(device_ids)
         self.saves = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxspec-store")
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
@@ -132,10 +134,10 @@ class ProgramStore:
             return None
         path = self.dir / (name + self.SUFFIX)
         try:
-            payload, in_tree, out_tree, device_ids = pickle.loads(path.read_bytes())
+            payload, in_tree, out_tree = pickle.loads(path.read_bytes())
             by_id = {d.id: d for d in jax.devices()}
             return serialize_executable.deserialize_and_load(payload, in_tree, out_tree,
-                                                             execution_devices=[by_id[i] for i in device_ids])
+                                                             execution_devices=[by_id[i] for i in self.device_ids])
         except Exception:   # noqa: BLE001 - a stale or truncated file: compiled again, and replaced
             self.names.discard(name)
             path.unlink(missing_ok=True)
@@ -153,9 +155,7 @@ class ProgramStore:
 
         from jax.experimental import serialize_executable
         try:
-            # the devices it runs on, in its order (one of several, or a tensor-parallel group)
-            device_ids = [d.id for d in program._executable._unloaded_executable.device_list]
-            data = pickle.dumps((*serialize_executable.serialize(program), device_ids))
+            data = pickle.dumps(serialize_executable.serialize(program))
             tmp = self.dir / f"{name}.{os.getpid()}.tmp"
             tmp.write_bytes(data)
             os.replace(tmp, self.dir / (name + self.SUFFIX))
@@ -172,7 +172,7 @@ class StepPrograms:
     tiers a bucket's programs have, cheapest first. `get(key)` is the loop's lookup; `compile` compiles now (the
     caller waits), `start_background` on a thread of its own."""
 
-    def __init__(self, lower: Callable, tiers: Callable[[int], tuple[str, ...]]):
+    def __init__(self, lower: Callable, tiers: Callable[[int], tuple[str, ...]], store: ProgramStore | None = None):
         self._lower, self.tiers = lower, tiers
         self.programs: dict[tuple, object] = {}   # key -> compiled program (jax.stages.Compiled), the best tier
         self.tier: dict[tuple, str] = {}
@@ -182,7 +182,7 @@ class StepPrograms:
         self._stop = threading.Event()
         self.failure: BaseException | None = None   # what stopped the background compiles
         self.untunable: dict[tuple, str] = {}   # key -> why its tuned compile failed: it stays at its fast tier
-        self.store: ProgramStore | None = None   # set where compiled programs are kept on disk (store_wanted)
+        self.store = store   # where compiled programs are kept on disk (store_wanted), or None
         # Called on the compiling thread before each compile with (key, tier): tests hold a compile back with it.
         self.before_compile: Callable[[tuple, str], None] | None = None
         _listen_for_cache_hits()

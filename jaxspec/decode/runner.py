@@ -4,7 +4,8 @@ step, the outputs' copy) and the output's copy to the host started. The engine l
 steps and reads their outputs; it never touches device arrays other than the output it is waiting for.
 
 Hooks for benchmarks and profiles: `bucket_for`, `last_inputs` and `replay` (run a live step's inputs again),
-`issue_seconds` (host time to issue each step), `argument_buffers` (buffers each step call passes).
+`issue_seconds` (host time to issue each step), `argument_buffers` (buffers each step call passes). Which programs are
+compiled while some still compile in the background is `compiled`'s to say (jaxspec.decode.compiled).
 
 Every buffer a step takes or returns keeps one address from step to step: the inputs are copied into a per-bucket inbox
 and the outputs written into a per-variant outbox, both donated like the state. XLA captures the step as a CUDA graph
@@ -27,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxspec.decode.compiled import CompiledSteps
 from jaxspec.decode.compiler import FAST, TUNED, ProgramStore, StepPrograms, store_wanted
 from jaxspec.decode.inputs import StepInputs
 from jaxspec.decode.state import DecodeState, StepConfig, init_state, state_schema
@@ -85,10 +87,9 @@ def _spec(a) -> jax.ShapeDtypeStruct:
 HISTORY_CHUNK = 256
 # A program's first runs are no measure of its step's time: on a GPU XLA records the step's command buffer (a CUDA
 # graph) on its first run and, in the SKIP_PROFILED update mode (jaxspec.xla_flags), learns over its first runs which
-# allocations move. So neither time_step nor adaptive k's measured periods (a pair without a device time) count them.
+# allocations move. So neither adaptive k's step prices (jaxspec.sched.pricing) nor its measured periods (a pair
+# without a device time) count them.
 UNTIMED_RUNS = 2
-# Runs of a step timed back to back for adaptive k's price of it (time_step): their mean.
-TIMED_RUNS = 8
 
 
 def _write_history(state, slot, ids, start, n):
@@ -99,7 +100,7 @@ def _write_history(state, slot, ids, start, n):
 
 class ModelRunner:
     def __init__(self, model, step_config: StepConfig, ops: Ops, drafter=None, drafter_params=None, *,
-                 max_rows: int, max_num_batched_tokens: int):
+                 max_rows: int, max_num_batched_tokens: int, on_demand_tier: str = TUNED):
         self.target = Decoder(model.config, ops)
         self.step_config, self.ops = step_config, ops
         self.params, self.drafter, self.drafter_params = model.params, drafter, drafter_params
@@ -141,11 +142,8 @@ class ModelRunner:
         # smaller: with a single row the logits matmul has one row, which XLA runs as a slow matrix-vector
         # product on a GPU (measured: +0.9 ms per step at Qwen2.5-1.5B's vocabulary).
         self.max_rows = max(max_rows, MIN_TOKEN_BUCKET)
-        # The compiled step programs (jaxspec.decode.compiler), keyed by (bucket, variant, grammar table shapes).
-        self.programs = StepPrograms(self._lower_program, self._tiers)
-        self.on_demand_tier = TUNED   # the tier a step compiles at when it first needs a program that is missing
+        self.on_demand_tier = on_demand_tier   # the tier a step compiles at when it first needs a missing program
         self.compiled_on_demand = 0   # programs a step waited for (not compiled ahead)
-        self.serving_buckets: list[int] | None = None   # while compiling in the background: the buckets steps use
         self._blank_inputs: dict[int, StepInputs] = {}
         self.last_inputs: dict[int, tuple[StepVariant, np.ndarray]] = {}
         self._last_grammar: dict[int, object] = {}   # the grammar table each bucket's last live step read
@@ -160,20 +158,22 @@ class ModelRunner:
         self._arg_specs = jax.tree_util.tree_map(_spec, (self.params, self.drafter_params, self.state))
         self._logit_bias_spec = _spec(self.logit_bias_table)
         self._box_sharding = self.input_sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        # Kept on disk beside JAX's persistent cache, and only while that is on.
+        # The devices every step program runs on, in the order it is compiled for: the mesh's, or the one device.
+        self.device_ids = [d.id for d in (self.tp.mesh.devices.flat if self.tp is not None else jax.devices()[:1])]
+        # The compiled step programs (jaxspec.decode.compiler), keyed by (bucket, variant, grammar table shapes),
+        # kept on disk beside JAX's persistent cache (and only while that is on), and what of them a step may use.
+        store = None
         if jax.config.jax_compilation_cache_dir and store_wanted(jax.devices()[0].platform):
-            from jaxspec.models.presets import cache_dir
-            self.programs.store = ProgramStore(cache_dir() / "programs", self.fingerprint())
+            from jaxspec.cache import cache_dir
+            store = ProgramStore(cache_dir() / "programs", self.fingerprint(), self.device_ids)
+        self.programs = StepPrograms(self._lower_program, self._tiers, store)
+        self.compiled = CompiledSteps(self.programs, self.program_key, self.token_buckets,
+                                      step_config.num_speculative_tokens, max_num_batched_tokens)
 
     # ---- shapes ------------------------------------------------------------------------------------
     def bucket_for(self, num_tokens: int) -> int:
-        """The smallest bucket that holds `num_tokens`; while programs compile in the background, the smallest
-        compiled one (`serving_buckets`, set by the engine) that does."""
-        if self.serving_buckets is not None:
-            T = next((b for b in self.serving_buckets if b >= num_tokens), None)
-            if T is not None:
-                return T
-        return next(b for b in self.token_buckets if b >= num_tokens)
+        """The bucket a step of `num_tokens` runs at (the smallest compiled one that holds it: `compiled`)."""
+        return self.compiled.bucket_for(num_tokens)
 
     def rows_for(self, num_tokens: int) -> int:
         return min(num_tokens, self.max_rows)
@@ -189,6 +189,12 @@ class ModelRunner:
         return blank.copy()
 
     # ---- running -----------------------------------------------------------------------------------
+    def mirror_to(self, send: Callable[..., None] | None):
+        """An engine across processes (jaxspec.distributed), on process 0: `send` is called with each device operation
+        (method name, arguments) before it is made, so that the other processes make it too, in the same order.
+        None: no more."""
+        self.mirror = send
+
     def _tiers(self, T: int) -> tuple[str, ...]:
         """The tiers bucket T's programs have, cheapest first (one where both compile alike)."""
         fast, tuned = self.ops.compiler_options(T, FAST), self.ops.compiler_options(T, TUNED)
@@ -272,18 +278,21 @@ class ModelRunner:
         self.issue_seconds.append(time.perf_counter() - t0)
         return out
 
-    def run_packed(self, T: int, variant: StepVariant, buf: np.ndarray, grammar_table=None) -> dict:
-        """`run` from the packed inputs of bucket T: what a follower process runs (jaxspec.distributed)."""
+    def run_packed(self, T: int, variant: StepVariant, buf: np.ndarray, grammar_table=None, record: bool = True
+                   ) -> dict:
+        """`run` from the packed inputs of bucket T: what a follower process runs (jaxspec.distributed). `record`:
+        kept as bucket T's last live inputs (what `replay` runs again; a timed blank step is not)."""
         self.last_run_compiled = False   # step_fn sets it when it compiles
         if self.mirror is not None:
             if grammar_table is not None:   # its tables live on the leader's devices alone
                 raise ValueError("structured outputs are not supported by an engine across processes")
-            self.mirror("run_packed", T, variant, buf)
+            self.mirror("run_packed", T, variant, buf, None, record)
         out = self._issue(T, variant, buf, grammar_table)
         for array in out.values():
             array.copy_to_host_async()
-        self.last_inputs[T] = (variant, buf)
-        self._last_grammar[T] = grammar_table
+        if record:
+            self.last_inputs[T] = (variant, buf)
+            self._last_grammar[T] = grammar_table
         return out
 
     def write_history(self, slot: int, token_ids: list[int]):
@@ -313,58 +322,6 @@ class ModelRunner:
             self.mirror("replay", T)
         variant, buf = self.last_inputs[T]
         return self._issue(T, variant, buf, self._last_grammar.get(T))
-
-    def context_rows(self, T: int, k: int) -> int:
-        """Decode rows of draft width k that bucket T holds: the rows `context_inputs` fills."""
-        return min(self.rows_for(T), T // (k + 1))
-
-    def context_inputs(self, T: int, k: int, context: int, scratch_block: int) -> StepInputs:
-        """Bucket T's inputs as a step of `context_rows(T, k)` decode rows at draft width k would have them, each
-        `context` tokens into its sequence (a multiple of the block size): its keys before the context's last block
-        are read from KV blocks of the pool, whatever they hold, a run of its own per row (live steps do not share
-        their contexts' blocks); the rest of its table is `scratch_block`, where its own tokens' KV (and a drafter's)
-        is written. Its slot is the trash slot. A step on these inputs does a live step's attention and leaves every
-        live request untouched, provided no request holds `scratch_block`."""
-        sc = self.step_config
-        n, width, per_row = self.context_rows(T, k), k + 1, context // sc.block_size
-        if context % sc.block_size or context + 2 * width > sc.max_model_len:
-            raise ValueError(f"context {context} must be a multiple of the block size {sc.block_size} and leave "
-                             f"{2 * width} positions before max_model_len {sc.max_model_len}")
-        inp = self.new_inputs(T)
-        tokens, rows = inp.tokens, inp.rows
-        tokens["row"][:n * width] = np.repeat(np.arange(n), width)
-        tokens["offset"][:n * width] = np.tile(np.arange(width), n)
-        for name, value in (("num_new", width), ("start", context), ("num_drafts", k), ("sample", 1),
-                            ("first_token", np.arange(n) * width)):
-            rows[name][:n] = value
-        inp.block_tables[:n] = scratch_block
-        # a drafter may write the KV of the position before a row's first token (an EAGLE head's, once the token
-        # after it is known): the context's last block is the scratch block too
-        reads = per_row - 1
-        inp.block_tables[:n, :reads] = np.arange(n * reads).reshape(n, reads) % sc.num_blocks
-        return inp
-
-    def time_step(self, T: int, variant: StepVariant, runs: int = TIMED_RUNS,
-                  inputs: StepInputs | None = None) -> float:
-        """Device seconds of one step of bucket T under this variant: its program run `runs` times back to back on
-        `inputs` (by default blank ones: no row, every write goes to the trash slot, so live requests are untouched;
-        `context_inputs` adds the attention over live contexts that a blank step leaves out), after UNTIMED_RUNS
-        untimed runs. Back to back, as the loop issues steps, the host's dispatch overlaps the device."""
-        buf = (self.new_inputs(T) if inputs is None else inputs).pack()   # read, never written: every run may take it
-        live = self.last_inputs.get(T), self._last_grammar.get(T)
-        for _ in range(UNTIMED_RUNS):
-            out = self.run_packed(T, variant, buf)
-        jax.block_until_ready(out)
-        t0 = time.perf_counter()
-        for _ in range(runs):
-            out = self.run_packed(T, variant, buf)
-        jax.block_until_ready(out)
-        seconds = (time.perf_counter() - t0) / runs
-        if live[0] is None:   # benchmarks replay the last live step, never a blank one
-            self.last_inputs.pop(T, None)
-        else:
-            self.last_inputs[T], self._last_grammar[T] = live
-        return seconds
 
     def _issue(self, T: int, variant: StepVariant, buf, grammar_table) -> dict:
         """inbox <- buf (the packed host inputs), the step (state and boxes donated), a fresh copy of its
@@ -427,10 +384,6 @@ class ModelRunner:
         spare = self.step_config.num_slots   # the state's and the table's row no request holds
         self._write_history_chunk(spare, [], 0)   # no ids: writes nothing
         self.logit_bias_table = self._write_logit_bias(self.logit_bias_table, np.int32(spare), logit_bias_row({}))
-
-    def ready_buckets(self, variants) -> list[int]:
-        """Buckets whose programs of every one of these variants are compiled (any tier)."""
-        return [T for T in self.token_buckets if all(self.programs.ready((T, v, None)) for v in variants)]
 
     # ---- facts -------------------------------------------------------------------------------------
     def num_compiled(self) -> int:

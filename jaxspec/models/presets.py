@@ -12,6 +12,7 @@ import importlib.util
 import os
 from pathlib import Path
 
+from jaxspec.cache import cache_dir  # noqa: F401 (where presets are assembled; also imported from here)
 from jaxspec.models.errors import ChecksumMismatchError, PresetPackageMissingError, UnknownPresetError
 
 _CHUNK = 8 << 20
@@ -74,14 +75,6 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
         description="Qwen2.5-Coder-1.5B-Instruct, qwen2 architecture, GGUF Q4_K_M",
     ),
 )}
-
-
-def cache_dir() -> Path:
-    """`$JAXSPEC_CACHE`, else `$XDG_CACHE_HOME/jaxspec`, else `~/.cache/jaxspec`."""
-    if os.environ.get("JAXSPEC_CACHE"):
-        return Path(os.environ["JAXSPEC_CACHE"]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base).expanduser() / "jaxspec"
 
 
 def get_preset(name: str) -> Preset:

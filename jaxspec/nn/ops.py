@@ -366,7 +366,7 @@ class Ops:
             delta_rule = "pallas" if gpu else "reference"
         autotune_cache = None
         if gpu:
-            from jaxspec.models.presets import cache_dir
+            from jaxspec.cache import cache_dir
             autotune_cache = str(cache_dir() / "xla-autotune")
             use_compile_cache(cache_dir() / "jax-compile")
         return Ops(attention=attention, block_size=block_size, unroll=gpu if unroll is None else unroll, tp=tp,

@@ -26,8 +26,10 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.nn.schema import Spec, is_spec
-from jaxspec.sched.config import QUANTIZATION_SCHEMES as SCHEMES
 
+# The schemes implemented here (the engine offers them as jaxspec.sched.config.QUANTIZATION_SCHEMES, which imports no
+# JAX: the command-line tools check their flags before loading anything)
+SCHEMES = ("fp8",)
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = 448.0   # the largest finite e4m3fn value
 # The projections quantized, each with the axis its product sums over (its input channels), counted from the end:

@@ -10,8 +10,8 @@ rows(k) is how many of the B decoding rows fit the token budget at 1+k tokens ea
 tokens P (the next step's are not known when its drafts are proposed: this step's stand for them), T_k the token
 bucket of the step's rows(k) * (1+k) + P tokens and t(k, T) the device time of the step compiled for draft width
 k at bucket T, with L the decoding rows' mean context. Once the programs are compiled, the engine times each
-(Engine.time_steps): t0 on blank steps (`calibrated`), c, each query token's attention per context token, on steps
-whose rows read a context (`context_cost`). Until then, and for a pair without such a time, t is measured from the
+(jaxspec.sched.pricing): t0 on blank steps (`calibrated`), c, each query token's attention per context token, on
+steps whose rows read a context (`context_cost`). Until then, and for a pair without such a time, t is measured from the
 loop's period (the
 median of the pair's last few timed steps; a pair not yet measured is tried for a few steps, smallest k first; a
 program's first runs and steps that compiled are no measure; while another k is chosen, plain decoding's time is
@@ -73,14 +73,18 @@ def median(values) -> float:
 
 
 class KChooser:
-    def __init__(self, num_speculative_tokens: int, max_num_batched_tokens: int, bucket_for: Callable[[int], int]):
+    def __init__(self, num_speculative_tokens: int, max_num_batched_tokens: int, bucket_for: Callable[[int], int],
+                 compiled=None):
         self.K = num_speculative_tokens
-        self.budget = max_num_batched_tokens
+        self.max_num_batched_tokens = max_num_batched_tokens
         self.bucket_for = bucket_for
+        # What is compiled (jaxspec.decode.compiled.CompiledSteps, asked at each choice): while programs compile in
+        # the background only compiled widths are chosen, within the largest compiled bucket. None: everything is.
+        self.compiled = compiled
         self.accepted = np.zeros(self.K)   # decayed counts per draft position
         self.tried = np.zeros(self.K)
         # (draft width, token bucket) -> the step's device seconds, timed on blank steps once its program was
-        # compiled (Engine.time_steps): the price of a pair that has one; measured times price the others
+        # compiled (jaxspec.sched.pricing): the price of a pair that has one; measured times price the others
         self.calibrated: dict[tuple[int, int], float] = {}
         # (draft width, token bucket) -> the seconds each query token's attention adds per context token, timed with
         # `calibrated`: what a blank step leaves out
@@ -90,8 +94,6 @@ class KChooser:
         self._samples: dict[tuple[int, int], collections.deque] = {}   # (k, T) -> its last (step, seconds)
         # (k, T) -> seconds: replaces the measured times (deterministic choices for tests; a cost model)
         self.time_model: Callable[[int, int], float] | None = None
-        # (k, T) -> whether that step is compiled: while programs compile in the background only those are chosen
-        self.ready: Callable[[int, int], bool] | None = None
         self.current = self.K
         self._pending: collections.deque = collections.deque()   # (step, kind, payload), in step order
         # (k, T, last step, whether to stop at its first measure) of the pair being measured: a pair never measured
@@ -102,6 +104,12 @@ class KChooser:
         self._shape: tuple | None = None   # (k, T, share of the rows) per k at the last choice (see MARGIN)
 
     # ---- observations --------------------------------------------------------------------------------
+    def price(self, device_seconds: dict[tuple[int, int], float], context_cost: dict[tuple[int, int], float]):
+        """Prices timed on the engine (jaxspec.sched.pricing): each (k, T)'s device seconds with no context, and the
+        seconds each of its query tokens' attention adds per context token."""
+        self.calibrated.update(device_seconds)
+        self.context_cost.update(context_cost)
+
     def observe(self, step: int, drafted_accepted: list[tuple[int, int]], time: tuple[int, int, float | None]):
         """Step `step` was read: (drafts verified, accepted) of each of its rows that verified drafts, and
         (its draft width, its token bucket, its measured device seconds or None when it is no measure: the
@@ -169,13 +177,15 @@ class KChooser:
         a = self.acceptance()
         self.context = context
         rates, unmeasured, shape = {}, [], []
-        prefill_tokens = max(0, min(prefill_tokens, self.budget - num_rows))   # decode rows are planned first
+        compiled = self.compiled
+        budget = self.max_num_batched_tokens if compiled is None else compiled.token_budget()
+        prefill_tokens = max(0, min(prefill_tokens, budget - num_rows))   # decode rows are planned first
         for k in range(self.K + 1):
-            rows = min(num_rows, (self.budget - prefill_tokens) // (1 + k))
+            rows = min(num_rows, (budget - prefill_tokens) // (1 + k))
             if rows == 0:
                 continue
             T = self.bucket_for(rows * (1 + k) + prefill_tokens)
-            if self.ready is not None and not self.ready(k, T):
+            if compiled is not None and not compiled.ready(k, T):
                 continue
             t = self.step_time(k, T, rows * (1 + k), context)
             if t is None:

@@ -46,8 +46,13 @@ class Intake:
         self._lock = threading.Lock()                           # held for an append or a drain, never a step
         self._pending_ids: set[str] = set()                     # ids submitted, not yet taken by the loop
         self.closed_by: BaseException | None = None             # what stopped the loop: nothing enters after it
-        # Why this engine refuses structured outputs, if it does (an engine across processes: jaxspec.distributed)
+        # Why this engine refuses structured outputs, if it does (`refuse_structured_outputs`)
         self.refuse_structured: str | None = None
+
+    def refuse_structured_outputs(self, reason: str | None):
+        """From now on requests with structured outputs are refused for `reason` (an engine across processes:
+        jaxspec.distributed); None: accepted again."""
+        self.refuse_structured = reason
 
     # ---- checking and building ---------------------------------------------------------------------
     def validate(self, prompt_token_ids, params: SamplingParams) -> TokenAutomaton | None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import deque
+from typing import Callable
 
 from jaxspec.sched.block_manager import BlockManager
 from jaxspec.sched.request import Request, Status
@@ -29,10 +30,14 @@ class ScheduledRow:
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, step_config, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 draft_lookahead: bool = False, kv_window: int | None = None):
+                 draft_lookahead: bool = False, kv_window: int | None = None,
+                 token_budget: Callable[[], int] | None = None):
         self.blocks = blocks
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        # The tokens a step may carry, asked each step: max_num_batched_tokens, or while programs compile in the
+        # background the largest compiled bucket (jaxspec.decode.compiled.CompiledSteps.token_budget).
+        self.token_budget = token_budget or (lambda: max_num_batched_tokens)
         self.step_config = step_config
         self.max_model_len = step_config.max_model_len
         # A drafter with its own KV writes up to k positions past what the target verifies while it
@@ -53,7 +58,7 @@ class Scheduler:
 
     # ---- one planning pass -------------------------------------------------------------------------
     def schedule(self) -> list[ScheduledRow]:
-        budget = self.max_num_batched_tokens
+        budget = self.token_budget()
         rows: list[ScheduledRow] = []
         block_size = self.blocks.block_size
         for req in list(self.running):

@@ -1,5 +1,5 @@
 """The engine's counters, kept as steps are dispatched and read, and `stats()`: what they and the engine's parts
-(runner, scheduler, KV blocks, grammar tables) say, as one dict."""
+(runner, scheduler, KV blocks, grammar tables) say, as one dict; and which weights are quantized, and how."""
 from __future__ import annotations
 
 import numpy as np
@@ -12,8 +12,6 @@ class EngineCounts:
         k = num_speculative_tokens
         self.spec = {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0,
                      "accepted_per_position": np.zeros(max(k, 1), np.int64), "chosen_k": np.zeros(k + 1, np.int64)}
-        # programs compiled on demand (a step waited) before warm-up ended: later ones are recompiles
-        self.compiled_at_warmup: int | None = None
 
     @property
     def steps(self) -> int:
@@ -41,8 +39,10 @@ class EngineCounts:
         self.spec["chosen_k"][k] += 1
 
     def report(self, *, runner, scheduler, blocks, grammar_tables, grammar_compiler, prefix_cache_disabled_reason,
-               async_scheduling: bool) -> dict:
-        c, baseline = self.counters, self.compiled_at_warmup
+               async_scheduling: bool, compiled_before_warmup_ended: int | None) -> dict:
+        """`compiled_before_warmup_ended`: the programs steps compiled on demand before warm-up ended (later ones are
+        recompiles), None where there was no warm-up."""
+        c, baseline = self.counters, compiled_before_warmup_ended
         compiled = runner.num_compiled()
         out = {
             "steps": c["steps"],
@@ -78,3 +78,32 @@ class EngineCounts:
                 "chosen_k": s["chosen_k"].tolist(),   # steps that proposed k drafts, k = 0..K
             }
         return out
+
+
+def quantization_report(scheme: str | None, runner, weights_detail: str | None = None) -> dict | None:
+    """Which weights are quantized, how, and how each step multiplies them (None: not quantized). `weights_detail`:
+    how a quantized checkpoint stored them (its format, its scales), where it says."""
+    if scheme is None:
+        return None
+    from jaxspec.nn import quant
+    target = quant.quantized_names(runner.params)
+    drafter = quant.quantized_names(runner.drafter_params) if isinstance(runner.drafter_params, dict) else []
+    experts = any(".experts_" in name for name in target + drafter)
+    return {"scheme": scheme, "weights": weights_detail or "float8_e4m3fn, one float32 scale per output channel",
+            "activations": _activation_scheme(runner.ops)
+            + ("; MoE experts W8A16 at every size (a grouped matmul)" if experts else ""),
+            "target": target, "drafter": drafter,
+            "kept": "embeddings, norms, biases, lm_heads (the target's, an EAGLE-3 head's), routers and gates"}
+
+
+def _activation_scheme(ops) -> str:
+    """How a step of each size multiplies the FP8 weights: the gemv kernel converts them (W8A16) up to its token limit;
+    XLA's matmuls quantize the activations per token from w8a8_from_tokens (W8A8), convert below."""
+    from jaxspec.nn.ops import GEMV_MAX_TOKENS_FP8
+    xla = ("W8A16 (weights converted inside the matmul)" if ops.w8a8_from_tokens is None else
+           "W8A8 (activations quantized per token to e4m3)" if ops.w8a8_from_tokens <= 1 else
+           f"W8A16 below {ops.w8a8_from_tokens} tokens a step, W8A8 (per-token e4m3) from there")
+    if not ops.gemv or ops.tp is not None:
+        return xla
+    return (f"steps of up to {GEMV_MAX_TOKENS_FP8} tokens: the gemv kernel over e4m3 tiles (W8A16) for "
+            f"{', '.join(sorted(ops.gemv))}; larger steps: {xla}")

@@ -143,8 +143,8 @@ class StepBuilder:
         if self.k_chooser is None:
             return K, k
         width = max([k if sampling else 0] + [row.num_drafts for row in rows])
-        ready = self.k_chooser.ready
-        if ready is not None and not ready(width, T):
+        ready = self.runner.compiled.ready
+        if not ready(width, T):
             # programs still compile in the background: a step that proposes nothing of its own width (a prefill
             # chunk) runs the narrowest compiled program that is wider, rather than wait for its own
             width = next((w for w in range(width + 1, K + 1) if ready(w, T)), width)

@@ -16,6 +16,14 @@ class Drafter(Protocol):
     # Its KV at position p depends on the token at p+1 too (an EAGLE head pairs token p+1 with the target's
     # feature at p): a prefix-cached block is then valid only for requests that agree one token past it.
     kv_reads_next_token: bool
+    config: object              # the draft model's or head's ModelConfig (the mesh splits its widths; its sliding
+                                # window reads the KV), None for n-gram lookup
+    quantization: str | None    # the scheme its params are quantized in ("fp8"), or None
+    whole_on_each_device: bool  # under tensor parallelism: whole on every device (a draft model), else split
+
+    def configured(self, quantization: str | None, whole_on_each_device: bool) -> "Drafter":
+        """The same drafter with its params quantized as `quantization` says and placed (decode.drafters.placement):
+        a new drafter, this one unchanged."""
 
     def param_schema(self) -> dict | None:
         """Its weights, declared (tensor parallelism shards them by their logical axes), or None."""

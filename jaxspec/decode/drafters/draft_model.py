@@ -38,13 +38,17 @@ class DraftModelDrafter:
     kv_reads_next_token = False
     aux_layers = ()
 
-    def __init__(self, draft_config, draft_sampling: str):
+    def __init__(self, draft_config, draft_sampling: str, quantization: str | None = None,
+                 whole_on_each_device: bool = False):
         self.config = draft_config
         self.draft_sampling = draft_sampling
-        self.quantization = None   # "fp8": its params are quantized (the engine's quantization)
-        # under tensor parallelism: whole on every device, its forwards free of all-reduces (the engine sets it
-        # from SpeculativeConfig.draft_tensor_parallel_size=1); otherwise split over the devices as the target is
-        self.whole_on_each_device = False
+        self.quantization = quantization   # "fp8": its params are quantized (the engine's quantization)
+        # under tensor parallelism: whole on every device, its forwards free of all-reduces (placement.py decides);
+        # otherwise split over the devices as the target is
+        self.whole_on_each_device = whole_on_each_device
+
+    def configured(self, quantization: str | None, whole_on_each_device: bool) -> "DraftModelDrafter":
+        return DraftModelDrafter(self.config, self.draft_sampling, quantization, whole_on_each_device)
 
     def param_schema(self) -> dict:
         return Decoder(self.config, Ops(quantization=self.quantization)).param_schema()

@@ -34,6 +34,7 @@ from jaxspec.nn.schema import Spec
 class EagleDrafter:
     needs_kv_lookahead = True
     kv_reads_next_token = True
+    whole_on_each_device = False   # a head reads the target's split embedding and lm_head: split as the target is
 
     def __init__(self, head: EagleHead, draft_sampling: str):
         self.head, self.draft_sampling = head, draft_sampling
@@ -41,13 +42,14 @@ class EagleDrafter:
 
     @property
     def quantization(self) -> str | None:
-        """The scheme the head's params are quantized in ("fp8"), or None; the engine sets it as it quantizes them,
-        so that the head declares the quantized params (`param_schema`) that placement and sharding read."""
+        """The scheme the head's params are quantized in ("fp8"), or None: the head then declares the quantized
+        params (`param_schema`) that placement and sharding read."""
         return self.head.quantization
 
-    @quantization.setter
-    def quantization(self, scheme: str | None):
-        self.head = dataclasses.replace(self.head, quantization=scheme)
+    def configured(self, quantization: str | None, whole_on_each_device: bool) -> "EagleDrafter":
+        if whole_on_each_device:
+            raise ValueError(f"an {self.method} head runs split as the target is, never whole on each device")
+        return type(self)(dataclasses.replace(self.head, quantization=quantization), self.draft_sampling)
 
     def param_schema(self) -> dict:
         return self.head.param_schema()

@@ -16,9 +16,15 @@ class NgramDrafter:
     aux_layers = ()
     needs_kv_lookahead = False
     kv_reads_next_token = False
+    config = None             # no model
+    quantization = None       # no weights
+    whole_on_each_device = False
 
     def __init__(self, min_n: int, max_n: int):
         self.min_n, self.max_n = min_n, max_n
+
+    def configured(self, quantization: str | None, whole_on_each_device: bool) -> "NgramDrafter":
+        return self   # nothing to quantize or place
 
     def param_schema(self):
         return None
