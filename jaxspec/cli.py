@@ -7,8 +7,8 @@ import json
 import os
 import sys
 
-from jaxspec.cli_args import (ArgumentParser, check_engine_config, check_model, check_speculative_config, json_object,
-                              one_line_errors, port)
+from jaxspec.cli_args import (ArgumentParser, add_engine_args, check_engine_args, check_model, engine_kwargs,
+                              one_line_errors, port, seconds)
 
 
 def string_list(text: str) -> tuple[str, ...]:
@@ -23,24 +23,6 @@ def string_list(text: str) -> tuple[str, ...]:
             raise argparse.ArgumentTypeError(f"a list of strings is needed, got {text!r}")
         return tuple(value)
     return tuple(v.strip() for v in text.split(",") if v.strip())
-
-
-def _number(text: str, unit: str, allow_zero: bool) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")   # refused below, as NaN and inf are
-    if not (0 <= value < float("inf")) or (value == 0 and not allow_zero):
-        raise argparse.ArgumentTypeError(f"a number of {unit} {'>=' if allow_zero else '>'} 0 is needed, got {text!r}")
-    return value
-
-
-def seconds(text: str) -> float:
-    return _number(text, "seconds", allow_zero=True)
-
-
-def gibibytes(text: str) -> float:
-    return _number(text, "GiB", allow_zero=False)
 
 
 def add_http_args(p: argparse.ArgumentParser):
@@ -68,60 +50,6 @@ def http_options(args):
                        allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
                        allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
                        shutdown_timeout=args.shutdown_timeout)
-
-
-def add_engine_args(p: argparse.ArgumentParser):
-    """The LLM options a command line sets (vLLM's flag names)."""
-    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
-    p.add_argument("--max-num-seqs", type=int, default=16)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-kv-blocks", type=int, default=None)
-    p.add_argument("--kv-memory-fraction", type=float, default=None)
-    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--speculative-config", type=json_object, default=None,
-                   help='JSON, e.g. \'{"method": "eagle3", "model": "path/to/head", "num_speculative_tokens": 3}\'')
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="devices to split the model over")
-    p.add_argument("--structured-compile-timeout", type=float, default=30.0,
-                   help="seconds one request's structured-outputs constraint (JSON schema, regex, choice) may take "
-                        "to compile before the request is refused (and its compile stopped); also how long it may "
-                        "wait for a compile process while others' constraints hold them all (then 503)")
-    p.add_argument("--structured-compile-memory", type=gibibytes, default=2.0,
-                   help="GiB of memory one constraint's compile (a process of its own) may use before it is stopped "
-                        "and the request refused")
-    p.add_argument("--warmup", default="auto", choices=["auto", "tiered", "full", "fast", "none"],
-                   help="when the step programs compile: tiered (the GPU's auto: serve after the smallest bucket's "
-                        "programs, compile the rest and the autotuned ones in the background), full (everything "
-                        "autotuned first), fast (everything first, nothing autotuned), none (each on first use)")
-    p.add_argument("--quantization", "-q", default=None, choices=["fp8"],
-                   help="weights quantized on load: fp8 (float8 e4m3 with per-output-channel scales: the layers' "
-                        "projections, MoE experts included, of the target and of a draft model or EAGLE/MTP head)")
-    p.add_argument("--logprobs-mode", default="raw_logprobs", choices=["raw_logprobs", "processed_logprobs"],
-                   help="what logprobs return: the model's log-softmax (raw) or the distribution sampled from "
-                        "(processed: after penalties, temperature, top-k/top-p/min-p)")
-
-
-def engine_kwargs(args) -> dict:
-    return dict(dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
-                num_kv_blocks=args.num_kv_blocks, kv_memory_fraction=args.kv_memory_fraction,
-                async_scheduling=args.async_scheduling, enable_prefix_caching=args.enable_prefix_caching,
-                speculative_config=args.speculative_config, seed=args.seed,
-                tensor_parallel_size=args.tensor_parallel_size,
-                structured_compile_timeout=args.structured_compile_timeout,
-                structured_compile_memory=args.structured_compile_memory, logprobs_mode=args.logprobs_mode,
-                warmup=args.warmup, quantization=args.quantization)
-
-
-def check_engine_args(p: argparse.ArgumentParser, args):
-    """The engine's options, checked as the engine checks them when it starts (EngineConfig, SpeculativeConfig),
-    before anything loads."""
-    check_engine_config(p, engine_kwargs(args))
-    if args.speculative_config is not None:
-        check_speculative_config(p, args.speculative_config)
 
 
 def add_server_args(p: argparse.ArgumentParser):

@@ -1,5 +1,6 @@
 """What the command lines (`jaxspec serve`, `jaxspec-bench`, `jaxspec-train-eagle`) share to check their arguments
-before anything imports JAX or loads a model, and to answer a bad one, or a failure at run time, in one line.
+before anything imports JAX or loads a model, and to answer a bad one, or a failure at run time, in one line; and
+the engine's flags (ENGINE_FLAGS), declared once for every command that builds an engine, with the engine's defaults.
 
 A bad flag: `PROG: error: argument --flag: VALUE is invalid; WHAT IS VALID (see PROG --help)`, exit code 2.
 A failure at run time (a missing file, a server that does not answer, a model that cannot load): `PROG: error:
@@ -81,6 +82,111 @@ def json_object(text: str) -> dict:
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"a JSON object is needed, got {text!r}")
     return value
+
+
+def _number(text: str, unit: str, allow_zero: bool) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")   # refused below, as NaN and inf are
+    if not (0 <= value < float("inf")) or (value == 0 and not allow_zero):
+        raise argparse.ArgumentTypeError(f"a number of {unit} {'>=' if allow_zero else '>'} 0 is needed, got {text!r}")
+    return value
+
+
+def seconds(text: str) -> float:
+    return _number(text, "seconds", allow_zero=True)
+
+
+def gibibytes(text: str) -> float:
+    return _number(text, "GiB", allow_zero=False)
+
+
+# ---- the engine's flags ----
+# Every flag that sets a keyword of LLM(...) (vLLM's flag names), declared here once for each command that builds an
+# engine: `jaxspec serve` and the Ray Serve replicas (SERVER_ENGINE_FIELDS), `jaxspec-bench` and `jaxspec-bench
+# startup` (jaxspec/bench/args.py's BENCH_ENGINE_FIELDS). A flag's dest is the keyword it sets and its default is
+# LLM(...)'s own (tests/test_cli.py holds them equal): a flag left out means what the keyword left out means, in
+# every command. The choices are written out, not imported from jaxspec.sched.config: a bad flag is answered
+# before any of the engine's modules is imported.
+ENGINE_FLAGS: dict[str, tuple[tuple[str, ...], dict]] = {
+    "dtype": (("--dtype",), dict(
+        default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+        help="auto: bfloat16 on GPU, float32 on CPU")),
+    "max_num_seqs": (("--max-num-seqs",), dict(type=int, default=16)),
+    "max_model_len": (("--max-model-len",), dict(
+        type=int, default=None, help="tokens of prompt and output a request may hold (default: the model's "
+                                     "max_position_embeddings, at most 4096)")),
+    "max_num_batched_tokens": (("--max-num-batched-tokens",), dict(
+        type=int, default=512, help="the most tokens one engine step takes, prefill chunks and decode rows together")),
+    "block_size": (("--block-size",), dict(type=int, default=16)),
+    "num_kv_blocks": (("--num-kv-blocks",), dict(type=int, default=None)),
+    "kv_memory_fraction": (("--kv-memory-fraction",), dict(type=float, default=None)),
+    "async_scheduling": (("--async-scheduling",), dict(action=argparse.BooleanOptionalAction, default=True)),
+    "enable_prefix_caching": (("--enable-prefix-caching",), dict(action=argparse.BooleanOptionalAction, default=True)),
+    "speculative_config": (("--speculative-config",), dict(
+        type=json_object, default=None,
+        help='the speculative configuration as JSON, e.g. \'{"method": "eagle3", "model": "path/to/head", '
+             '"num_speculative_tokens": 3}\' or \'{"method": "ngram", "num_speculative_tokens": 3, '
+             '"prompt_lookup_max": 5}\'')),
+    "seed": (("--seed",), dict(type=int, default=0)),
+    "attention": (("--attention",), dict(
+        default="auto", choices=["auto", "pallas", "reference"],
+        help="paged attention: the Pallas kernel or the jnp gather (auto: the kernel on a GPU)")),
+    "delta_rule": (("--delta-rule",), dict(
+        default="auto", choices=["auto", "reference", "pallas"],
+        help="hybrid models' Gated DeltaNet recurrence: the JAX scan or the Pallas kernel")),
+    "tensor_parallel_size": (("--tensor-parallel-size", "-tp"), dict(
+        type=int, default=1, help="devices to split the model over")),
+    "structured_compile_timeout": (("--structured-compile-timeout",), dict(
+        type=float, default=30.0,
+        help="seconds one request's structured-outputs constraint (JSON schema, regex, choice) may take to compile "
+             "before the request is refused (and its compile stopped); also how long it may wait for a compile "
+             "process while others' constraints hold them all (then 503)")),
+    "structured_compile_memory": (("--structured-compile-memory",), dict(
+        type=gibibytes, default=2.0,
+        help="GiB of memory one constraint's compile (a process of its own) may use before it is stopped and the "
+             "request refused")),
+    "warmup": (("--warmup",), dict(
+        default="auto", choices=["auto", "tiered", "full", "fast", "none"],
+        help="when the step programs compile: tiered (the GPU's auto: serve after the smallest bucket's programs, "
+             "compile the rest and the autotuned ones in the background), full (everything autotuned first), fast "
+             "(everything first, nothing autotuned), none (each on first use)")),
+    "quantization": (("--quantization", "-q"), dict(
+        default=None, choices=["fp8"],
+        help="weights quantized on load: fp8 (float8 e4m3 with per-output-channel scales: the layers' projections, "
+             "MoE experts included, of the target and of a draft model or EAGLE/MTP head)")),
+    "logprobs_mode": (("--logprobs-mode",), dict(
+        default="raw_logprobs", choices=["raw_logprobs", "processed_logprobs"],
+        help="what logprobs return: the model's log-softmax (raw) or the distribution sampled from (processed: "
+             "after penalties, temperature, top-k/top-p/min-p)")),
+}
+
+# The engine flags of a server (`jaxspec serve`, each Ray Serve replica), in the order its --help lists them.
+SERVER_ENGINE_FIELDS = ("dtype", "max_num_seqs", "max_model_len", "max_num_batched_tokens", "block_size",
+                        "num_kv_blocks", "kv_memory_fraction", "async_scheduling", "enable_prefix_caching",
+                        "speculative_config", "seed", "tensor_parallel_size", "structured_compile_timeout",
+                        "structured_compile_memory", "warmup", "quantization", "logprobs_mode")
+
+
+def add_engine_args(p: argparse.ArgumentParser, fields: tuple[str, ...] = SERVER_ENGINE_FIELDS):
+    """Declares the engine flags of `fields` (LLM keywords, ENGINE_FLAGS' names) on `p`."""
+    for field in fields:
+        names, options = ENGINE_FLAGS[field]
+        p.add_argument(*names, dest=field, **options)
+
+
+def engine_kwargs(args, fields: tuple[str, ...] = SERVER_ENGINE_FIELDS) -> dict:
+    """LLM(...)'s keywords that the engine flags of `fields` set."""
+    return {field: getattr(args, field) for field in fields}
+
+
+def check_engine_args(p: argparse.ArgumentParser, args):
+    """A server's engine flags, checked as the engine checks them when it starts (EngineConfig, SpeculativeConfig),
+    before anything loads."""
+    check_engine_config(p, engine_kwargs(args))
+    if args.speculative_config is not None:
+        check_speculative_config(p, args.speculative_config)
 
 
 # ---- checks that reuse the owners' validation ----

@@ -108,3 +108,76 @@ def test_runs_that_decode_differently_are_an_error(monkeypatch, capsys):
         "run": kind, "phases": {"import": 1.0}, "device": "cpu", "check_tokens": next(ran)})
     with pytest.raises(SystemExit, match=r"different tokens from one prompt: \[\(5, 6, 7\), \(5, 6, 8\)\]"):
         startup.run(["--random-weights", "--runs", "cold", "warm"])
+
+
+# ---- no import circles in jaxspec/bench (issue #61) ----
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "jaxspec", "bench")
+
+
+def bench_import_graph(root: str = BENCH, package: str = "jaxspec.bench") -> dict[str, set[str]]:
+    """Module -> the modules of the package under `root` it imports, anywhere in its text (a function's import,
+    run later, is one too). A package is named by its __init__.py; importing a module is not counted as importing
+    its parent package (Python has that one already in hand)."""
+    import ast
+    modules = {}
+    for directory, _, files in os.walk(root):
+        for name in files:
+            if name.endswith(".py"):
+                rel = os.path.relpath(os.path.join(directory, name), root)[:-3].split(os.sep)
+                parts = [package, *(rel[:-1] if rel[-1] == "__init__" else rel)]
+                modules[".".join(parts)] = (os.path.join(directory, name), rel[-1] == "__init__")
+    graph = {}
+    for module, (path, is_package) in modules.items():
+        here = module if is_package else module.rpartition(".")[0]
+        targets = set()
+        with open(path) as f:
+            tree = ast.parse(f.read(), path)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                targets.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:   # relative: from the package `level` steps up
+                    anchor = here.split(".")[:len(here.split(".")) - node.level + 1]
+                    base = ".".join(anchor + ([base] if base else []))
+                for alias in node.names:   # `from pkg import module` imports the module; else pkg itself
+                    targets.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base)
+        graph[module] = {t for t in targets if t in modules and t != module}
+    return graph
+
+
+def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Each circle of the graph once, as the modules along it (its first module repeated at its end)."""
+    circles, seen = [], set()
+
+    def walk(node, path):
+        for nxt in sorted(graph[node]):
+            if nxt in path:
+                circle = path[path.index(nxt):] + [nxt]
+                key = frozenset(circle)
+                if key not in seen:
+                    seen.add(key)
+                    circles.append(circle)
+            else:
+                walk(nxt, path + [nxt])
+    for start in sorted(graph):
+        walk(start, [start])
+    return circles
+
+
+def test_no_module_of_the_bench_imports_one_that_imports_it_back():
+    graph = bench_import_graph()
+    assert {"jaxspec.bench.cli", "jaxspec.bench.startup", "jaxspec.bench.baselines.vllm"} <= set(graph)
+    assert "jaxspec.bench.args" in graph["jaxspec.bench.startup"]   # the graph sees imports inside functions too
+    assert import_circles(graph) == [], "\n".join(" -> ".join(c) for c in import_circles(graph))
+
+
+def test_the_circle_check_finds_a_circle(tmp_path):
+    """The check above, on a copy of jaxspec/bench where startup.py's child imports the command back."""
+    import shutil
+    copy = tmp_path / "bench"
+    shutil.copytree(BENCH, copy)
+    with open(copy / "startup.py", "a") as f:
+        f.write("\n\ndef _later():\n    from jaxspec.bench.cli import run\n    return run\n")
+    circles = import_circles(bench_import_graph(str(copy)))
+    assert ["jaxspec.bench.cli", "jaxspec.bench.startup", "jaxspec.bench.cli"] in circles, circles

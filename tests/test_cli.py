@@ -197,3 +197,24 @@ def test_generate_reuses_its_engine_per_model_and_options(fake_llm):
     for t in threads:
         t.join()
     assert len(fake_llm.built) == 3, "concurrent first calls built more than one engine"
+
+
+# ---- the engine's flags: declared once (jaxspec/cli_args.py), with the engine's defaults (issue #61) ----
+def test_every_command_defaults_its_engine_flags_as_the_engine_does():
+    """A flag left out means what the keyword left out of LLM(...) means, in `jaxspec serve` (and the Ray replicas,
+    which declare the same flags), `jaxspec-bench` and `jaxspec-bench startup`."""
+    import inspect
+
+    from jaxspec.bench.args import BENCH_ENGINE_FIELDS
+    from jaxspec.bench.cli import build_parser as bench_parser
+    from jaxspec.bench.startup import build_parser as startup_parser
+    from jaxspec.cli_args import ENGINE_FLAGS, SERVER_ENGINE_FIELDS, add_engine_args
+    llm_defaults = {name: p.default for name, p in inspect.signature(jaxspec.llm.LLM.__init__).parameters.items()}
+    assert {field: options["default"] for field, (_, options) in ENGINE_FLAGS.items()} == \
+        {field: llm_defaults[field] for field in ENGINE_FLAGS}
+    serve = argparse.ArgumentParser()
+    add_engine_args(serve)
+    for parser, fields in ((serve, SERVER_ENGINE_FIELDS), (bench_parser(), BENCH_ENGINE_FIELDS),
+                           (startup_parser(), BENCH_ENGINE_FIELDS)):
+        args = vars(parser.parse_args([]))
+        assert {field: args[field] for field in fields} == {field: llm_defaults[field] for field in fields}

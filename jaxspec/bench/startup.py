@@ -33,11 +33,14 @@ _T_WALL, _T_PERF = time.time(), time.perf_counter()   # this process's clocks, r
 import argparse  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
-import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 
-T0_ENV = "JAXSPEC_STARTUP_T0"
+from jaxspec.bench.args import build_parser as build_bench_parser  # noqa: E402
+from jaxspec.bench.args import check_args  # noqa: E402
+from jaxspec.bench.child_process import T0_ENV, run_timed_child  # noqa: E402
+from jaxspec.bench.engine import engine_options, model_from_args, resolve_max_model_len, with_random_draft  # noqa: E402
+
 RUNS = ("cold", "warm")
 # The bench's flags that measure something other than start-up: refused here rather than silently ignored.
 NOT_FOR_STARTUP = ("compare", "steady_state", "profile", "save_workload", "plot", "base_url", "request_rate",
@@ -45,9 +48,7 @@ NOT_FOR_STARTUP = ("compare", "steady_state", "profile", "save_workload", "plot"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from jaxspec.bench import cli
-    p = cli.build_parser()
-    p.prog, p.description = "jaxspec-bench startup", __doc__
+    p = build_bench_parser("jaxspec-bench startup", __doc__)
     p.add_argument("--runs", nargs="+", choices=RUNS, default=list(RUNS),
                    help="the runs, in order, each a fresh process: cold (an empty cache directory) or warm (the "
                         "cache the last cold run left)")
@@ -60,7 +61,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def check_startup_args(p: argparse.ArgumentParser, args):
-    from jaxspec.bench.cli import check_args
     given = [f"--{name.replace('_', '-')}" for name in NOT_FOR_STARTUP if getattr(args, name) != p.get_default(name)]
     if given:
         p.error(f"argument {given[0]}: not used by `jaxspec-bench startup` (it times one request's first token)")
@@ -72,7 +72,7 @@ def check_startup_args(p: argparse.ArgumentParser, args):
     if args.runs[0] != "cold":
         p.error(f"argument --runs: {args.runs[0]!r} comes before any 'cold': a warm run reuses the cache a cold run "
                 "left (e.g. --runs cold warm)")
-    if args.input_len + 1 > args.max_model_len:
+    if args.max_model_len is not None and args.input_len + 1 > args.max_model_len:
         p.error(f"argument --input-len: {args.input_len} tokens and the first token do not fit --max-model-len "
                 f"{args.max_model_len}")
     check_args(p, args)
@@ -121,7 +121,10 @@ def run(argv: list[str]) -> list[dict]:
             results.append(run_child(argv, kind, cache))
         if args.baseline == "vllm" and vllm_missing is None:
             from jaxspec.bench.baselines.vllm import startup_runs
-            results += startup_runs(args, root, prompt_ids(args, results[0]["config"]["vocab_size"]))
+            jaxspec_config = results[0]["config"]
+            # vLLM at the length jaxspec's engine had (without --max-model-len, the engine's choice for the model)
+            at_jaxspec_length = argparse.Namespace(**{**vars(args), "max_model_len": jaxspec_config["max_model_len"]})
+            results += startup_runs(at_jaxspec_length, root, prompt_ids(args, jaxspec_config["vocab_size"]))
     finally:
         if args.cache_root is None:
             import shutil
@@ -153,26 +156,7 @@ def run_child(argv: list[str], kind: str, cache: str) -> dict:
     if env.get("JAX_COMPILATION_CACHE_DIR"):   # the user's own JAX cache, which jaxspec then uses: this run's too
         env["JAX_COMPILATION_CACHE_DIR"] = os.path.join(cache, "jax-compilation-cache")
     cmd = [sys.executable, "-m", "jaxspec.bench.startup", "--child", kind, *argv]
-    env[T0_ENV] = repr(time.time())
-    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True)   # stderr (progress bars) passes through
-    return child_result(proc, f"the {kind} start-up run")
-
-
-def child_result(proc: subprocess.CompletedProcess, what: str) -> dict:
-    """The JSON object of a child's last stdout line that is one; its other lines are passed on."""
-    result = None
-    for line in proc.stdout.splitlines():
-        if line.startswith("{"):
-            try:
-                result = json.loads(line)
-                continue
-            except ValueError:
-                pass
-        print(line)
-    if proc.returncode != 0 or result is None:
-        raise SystemExit(f"jaxspec-bench startup: error: {what} failed (exit code {proc.returncode}); its output "
-                         "is above")
-    return result
+    return run_timed_child(cmd, env, f"the {kind} start-up run")
 
 
 def print_table(results: list[dict], note: str | None = None):
@@ -213,7 +197,6 @@ def child(kind: str, argv: list[str]):
 
     import jax
 
-    from jaxspec.bench.cli import model_from_args, with_random_draft
     from jaxspec.llm import LLM
     from jaxspec.sampling_params import SamplingParams
     mark("import")
@@ -223,19 +206,13 @@ def child(kind: str, argv: list[str]):
     device = jax.devices()[0].device_kind
     mark("backend")
     model = model_from_args(args)
+    resolve_max_model_len(args, model.config)
     spec = with_random_draft(args, model, args.spec)
     jax.block_until_ready(model.params)
     if spec is not None and hasattr(spec.get("model"), "params"):
         jax.block_until_ready(spec["model"].params)
     mark("weights")
-    kwargs = {}
-    if args.warmup != p.get_default("warmup"):   # the engine's own default unless --warmup is given
-        kwargs["warmup"] = args.warmup
-    llm = LLM(model, max_num_seqs=args.max_concurrency, max_model_len=args.max_model_len,
-              max_num_batched_tokens=args.max_num_batched_tokens, async_scheduling=args.async_scheduling,
-              speculative_config=spec, seed=args.seed, attention=args.attention, delta_rule=args.delta_rule,
-              enable_prefix_caching=args.enable_prefix_caching, tensor_parallel_size=args.tensor_parallel_size,
-              quantization=args.quantization, **kwargs)
+    llm = LLM(model, **engine_options(args, args.async_scheduling, spec))
     mark("engine")
     prompt = prompt_ids(args, model.config.vocab_size)
     out = llm.generate([prompt], SamplingParams(temperature=args.temperature, seed=args.seed, max_tokens=1,

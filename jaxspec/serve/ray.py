@@ -449,9 +449,8 @@ def main(argv: list[str] | None = None):
     import argparse
     import os
     import time
-    from jaxspec.cli import (add_engine_args, add_http_args, add_server_args, checked_server_options, engine_kwargs,
-                             http_options)
-    from jaxspec.cli_args import one_line_errors
+    from jaxspec.cli import add_http_args, add_server_args, checked_server_options, http_options
+    from jaxspec.cli_args import add_engine_args, engine_kwargs, one_line_errors
     from jaxspec.serve.options import add_serve_args
     p = argparse.ArgumentParser(prog="python -m jaxspec.serve.ray",
                                 description="jaxspec's OpenAI-compatible server, data-parallel on Ray Serve: "

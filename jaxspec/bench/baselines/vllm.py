@@ -175,7 +175,7 @@ def startup_runs(args, cache_root: str, prompt: list[int]) -> list[dict]:
     `prompt` (max_tokens=1), in a fresh process per run of --runs: cold with empty vLLM, TorchInductor, Triton and
     CUDA caches under `cache_root`, warm with the caches the last cold run left. Rows labelled vllm-cold/vllm-warm,
     their phases in seconds since the process started, like jaxspec's."""
-    from jaxspec.bench.startup import T0_ENV, child_result
+    from jaxspec.bench.child_process import run_timed_child
     from jaxspec.models.presets import PRESETS, preset_path
 
     def path(spec):
@@ -196,10 +196,8 @@ def startup_runs(args, cache_root: str, prompt: list[int]) -> list[dict]:
                    TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"),
                    TRITON_CACHE_DIR=os.path.join(cache, "triton"), CUDA_CACHE_PATH=os.path.join(cache, "cuda"),
                    VLLM_USE_FLASHINFER_SAMPLER=os.environ.get("VLLM_USE_FLASHINFER_SAMPLER", "0"))
-        env[T0_ENV] = repr(time.time())
-        proc = subprocess.run([args.vllm_python, "-c", _STARTUP_CHILD, json.dumps(task)], env=env,
-                              stdout=subprocess.PIPE, text=True)   # stderr (vLLM's log) passes through
-        res = child_result(proc, f"vLLM's {kind} start-up run")
+        res = run_timed_child([args.vllm_python, "-c", _STARTUP_CHILD, json.dumps(task)], env,
+                              f"vLLM's {kind} start-up run")   # stderr (vLLM's log) passes through
         rows.append({"run": f"vllm-{kind}", **res, "config": config, "cache_dir": cache})
     return rows
 
