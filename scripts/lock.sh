@@ -49,7 +49,7 @@ resolve main -e .
 resolve test "torch==2.13.0" -e ".[test,bench]" fire
 
 echo "scripts/lock.sh: the main job in the main set-up"
-"$WORK/main/bin/jaxspec-bench" --model smollm2-135m-instruct --num-prompts 8 --input-len 32 --output-len 32
+"$WORK/main/bin/jaxspec-bench" --model smollm2-135m-instruct --num-prompts 8 --input-len 32 --output-len 32 --max-model-len 1024
 if [ "$MODE" = --watch ]; then
   echo "scripts/lock.sh: a smoke subset of the suite in the test set-up"
   "$WORK/test/bin/python" -m pytest -q -p no:cacheprovider tests/test_gguf_tokenizer.py tests/test_loaders.py \

@@ -16,7 +16,7 @@ DRAFT='"method": "draft_model", "model": "llama-3.2-1b", "num_speculative_tokens
 bench() {   # bench TAG TP [ARGS...]
   local tag=$1 tp=$2; shift 2
   python3 -m jaxspec.bench --model llama-3.1-8b --random-weights --dtype bfloat16 --tensor-parallel-size "$tp" \
-    --input-len 128 --output-len 128 --num-prompts 32 --max-concurrency 32 --max-model-len 1024 \
+    --input-len 128 --output-len 128 --num-prompts 32 --max-concurrency 32 --max-model-len 1024 --max-num-batched-tokens 256 \
     --steady-state 1 8 32 --warmup "${WARMUP:-none}" --quiet --json "$OUT/$tag.json" "$@"
 }
 for tp in ${TPS:-1 2}; do
