@@ -11,6 +11,7 @@ import ml_dtypes
 import numpy as np
 from safetensors import safe_open
 
+from jaxspec.models import families
 from jaxspec.models.config import ModelConfig, is_mxfp4
 from jaxspec.models.dequant import dequantize_mxfp4
 from jaxspec.models.errors import CorruptModelFileError, UnsupportedModelError
@@ -24,12 +25,6 @@ _NOT_IN_NUMPY = ("BF16", "F8_E4M3")   # dtypes safetensors' numpy backend cannot
 # Layer tensors that change the output when present: a bias, attention sinks (GPT-OSS), a norm. One of these that
 # the config's model does not read is refused (`refuse_unread_tensors`) rather than dropped.
 _LAYER_TENSOR = re.compile(r"(?:language_model\.)?model\.(?:language_model\.)?layers\.(\d+)\.(.+)")
-# Where a vision-language checkpoint keeps its text model (its vision tower, elsewhere, is not read): HF name of the
-# text model's tensor -> the checkpoint's. transformers 5 writes model.language_model.* (Qwen3.5, Gemma 3); Gemma 3's
-# published checkpoints have language_model.model.* (and language_model.lm_head.* where untied).
-_TEXT_MODEL_PREFIXES = {"model.language_model.embed_tokens.weight": (("model.", "model.language_model."),),
-                        "language_model.model.embed_tokens.weight": (("model.", "language_model.model."),
-                                                                     ("lm_head.", "language_model.lm_head."))}
 _MUST_BE_READ = re.compile(r".*(\.bias|sinks|norm\.weight)")
 
 
@@ -135,8 +130,9 @@ def refuse_unread_tensors(config: ModelConfig, names) -> None:
 
 def text_model_tensors(tensors: SafetensorsDir, get_tensor):
     """`get_tensor` by the text model's HF names: as it is, or for a vision-language checkpoint (`tensors` has its
-    text model's embedding under a prefix of _TEXT_MODEL_PREFIXES) reading each name under that prefix."""
-    renames = next((r for embed, r in _TEXT_MODEL_PREFIXES.items() if embed in tensors), None)
+    text model's embedding where a family keeps it, jaxspec.models.families.TEXT_MODEL_PREFIXES; its vision tower is
+    not read) reading each name under that prefix."""
+    renames = next((r for embed, r in families.TEXT_MODEL_PREFIXES.items() if embed in tensors), None)
     if renames is None:
         return get_tensor
 
@@ -170,9 +166,9 @@ def load_tokenizer_dir(path: str | os.PathLike):
 
 
 def load_hf_dir(path: str | os.PathLike, dtype="bfloat16") -> Model:
-    """Load a llama / mistral / qwen2 / qwen3 / qwen3_moe / qwen3_next / qwen3_5 / gemma3_text / gemma3 / gpt_oss HF
-    directory: config.json, safetensors weights, tokenizer if present (a vision-language checkpoint: its text model
-    alone, `text_model_tensors`; GPT-OSS's MXFP4 experts dequantized to `dtype`). A checkpoint stored in FP8
+    """Load a HF directory of a model_type jaxspec.models.families reads: config.json, safetensors weights, tokenizer
+    if present (a vision-language checkpoint: its text model alone, `text_model_tensors`; GPT-OSS's MXFP4 experts
+    dequantized to `dtype`). A checkpoint stored in FP8
     (jaxspec.models.fp8_checkpoint) keeps its e4m3 weights: the Model comes back
     with quantization="fp8" and its format in quantization_detail."""
     dtype = resolve_dtype(dtype)

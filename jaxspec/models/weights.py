@@ -13,192 +13,74 @@ import jax
 import ml_dtypes
 import numpy as np
 
+from jaxspec.models import families
 from jaxspec.models.errors import CorruptModelFileError
+from jaxspec.models.families.tensors import TOP_TENSORS as STANDARD_TOP_TENSORS
+from jaxspec.models.families.tensors import Combine, TensorRule, plus_one  # noqa: F401 (plus_one: public here)
 
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
 _DTYPE_ALIASES = {"fp32": "float32", "f32": "float32", "bf16": "bfloat16"}
 
-TOP_TENSORS = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight", "lm_head": "lm_head.weight"}
+# The HF names of the top-level weights as most families store them (a config's own: `top_rule`).
+TOP_TENSORS = {key: rule.sources[0] for key, rule in STANDARD_TOP_TENSORS.items()}
 
 
-def group_qkv(q, k, v, num_kv_heads: int):
-    """HF q [Hq*hd, ...], k/v [Hkv*hd, ...] -> rows grouped per kv head: [its G q heads, its k, its v]."""
-    tail = q.shape[1:]
-    q = q.reshape(num_kv_heads, -1, *((k.shape[0] // num_kv_heads,) + tail))             # [Hkv, G, hd, ...]
-    k = k.reshape(num_kv_heads, 1, *q.shape[2:])
-    v = v.reshape(num_kv_heads, 1, *q.shape[2:])
-    return np.concatenate([q, k, v], axis=1).reshape(-1, *tail)
+def top_rule(config, key: str) -> TensorRule:
+    """How the top-level weight `key` (embed, final_norm, lm_head) of a model of this config is read."""
+    return families.TOP_TENSORS[config.arch][key]
 
 
-def interleave_gate_up(gate, up):
-    """HF gate/up [F, D] -> [F, 2, D]."""
-    return np.stack([gate, up], axis=1)
+def layer_rule(config, kind: str, name: str) -> TensorRule:
+    """How the declared weight `name` of a layer of `kind` is read for this config: as its architecture's families
+    declare it, or where none of them has layers of that kind (a GGUF of another architecture read as Llama layers),
+    as the families that have them do (`HF_LAYER_TENSORS`)."""
+    tables = families.LAYER_TENSORS.get(config.arch, {})
+    return tables[kind][name] if kind in tables else HF_LAYER_TENSORS[kind][name]
 
 
-# For each layer kind: declared weight -> (the HF tensors inside a layer it is made of, how they combine).
-ATTN = "self_attn."
-HF_LAYER_TENSORS: dict[str, dict[str, tuple[tuple[str, ...], Callable]]] = {
-    "attention": {
-        "attn_norm": (("input_layernorm.weight",), None),
-        "qkv_proj": ((ATTN + "q_proj.weight", ATTN + "k_proj.weight", ATTN + "v_proj.weight"), group_qkv),
-        "qkv_bias": ((ATTN + "q_proj.bias", ATTN + "k_proj.bias", ATTN + "v_proj.bias"), group_qkv),
-        "q_norm": ((ATTN + "q_norm.weight",), None),
-        "k_norm": ((ATTN + "k_norm.weight",), None),
-        "o_proj": ((ATTN + "o_proj.weight",), None),
-        "mlp_norm": (("post_attention_layernorm.weight",), None),
-        "gate_up_proj": (("mlp.gate_proj.weight", "mlp.up_proj.weight"), interleave_gate_up),
-        "down_proj": (("mlp.down_proj.weight",), None),
-    },
-}
+def _rules_by_kind() -> dict[str, dict[str, TensorRule]]:
+    """Each layer kind's rules, whatever the architecture (`HF_LAYER_TENSORS`): a weight whose rule differs between
+    architectures (Qwen3-Next's and Qwen3.5's linear-attention input) gets `_rule_by_architecture`."""
+    rules: dict[str, dict[str, dict[str, TensorRule]]] = {}
+    for arch, tables in families.LAYER_TENSORS.items():
+        for kind, table in tables.items():
+            for name, rule in table.items():
+                rules.setdefault(kind, {}).setdefault(name, {})[arch] = rule
+    by_kind: dict[str, dict[str, TensorRule]] = {}
+    for kind, names in rules.items():
+        by_kind[kind] = {}
+        for name, by_arch in names.items():
+            distinct = list(dict.fromkeys(by_arch.values()))
+            by_kind[kind][name] = distinct[0] if len(distinct) == 1 else _rule_by_architecture(kind, name, distinct)
+    return by_kind
 
 
-# ---- hybrids (Qwen3-Next, Qwen3.5) -----------------------------------------------------------------------
+def _rule_by_architecture(kind: str, name: str, rules: list[TensorRule]) -> TensorRule:
+    """A rule for weight `name` of `kind` that reads the config's architecture's own (one of `rules`); its combine
+    is `by_rows` where all of theirs are."""
+    def own(c) -> TensorRule:
+        return families.LAYER_TENSORS[c.arch][kind][name]
 
-def plus_one(c, w):
-    """Zero-centred RMSNorm weights (HF computes x * (1 + w)) as the plain weight our RMSNorm multiplies by."""
-    return w.astype(np.float32) + 1.0
-
-
-def group_gated_qkv(c, q, k, v):
-    """HF q_proj [Hq * 2hd, D] (each head's q then its gate), k/v [Hkv*hd, D] -> rows grouped per kv head:
-    [its G q heads, its G gate heads, its k, its v]."""
-    Hkv, hd = c.num_kv_heads, c.head_dim
-    G = c.num_heads // Hkv
-    qg = q.reshape(Hkv, G, 2, hd, -1)
-    parts = [qg[:, :, 0], qg[:, :, 1], k.reshape(Hkv, 1, hd, -1), v.reshape(Hkv, 1, hd, -1)]
-    return np.concatenate(parts, axis=1).reshape(-1, q.shape[-1])
-
-
-def concat_rows(c, *parts):
-    return np.concatenate(parts, axis=0)
-
-
-def qwen3_next_in_proj(c, qkvz, ba):
-    """Qwen3-Next's in_proj_qkvz (per key head: q, k, its G value heads' v, their z) and in_proj_ba (per key head:
-    its G b, its G a) -> Qwen3.5's order [q | k | v | z | b | a]."""
-    Hk, Hv = c.linear_num_key_heads, c.linear_num_value_heads
-    dk, dv = c.linear_key_head_dim, c.linear_value_head_dim
-    G = Hv // Hk
-    D = qkvz.shape[-1]
-    w = qkvz.reshape(Hk, 2 * dk + 2 * G * dv, D)
-    q, k = w[:, :dk], w[:, dk:2 * dk]
-    v, z = w[:, 2 * dk:2 * dk + G * dv], w[:, 2 * dk + G * dv:]
-    ba = ba.reshape(Hk, 2 * G, D)
-    return np.concatenate([x.reshape(-1, D) for x in (q, k, v, z, ba[:, :G], ba[:, G:])], axis=0)
-
-
-def conv_kernel(c, w):
-    """HF depthwise conv1d weight [C, 1, K] -> [K, C]."""
-    return w[:, 0, :].T
-
-
-def stack_expert_gate_up(c, *parts):
-    """Per-expert gate/up [F, D] (all gates, then all ups) -> [E, D, F, 2]."""
-    E = c.num_experts
-    gate, up = np.stack(parts[:E]), np.stack(parts[E:])                                 # [E, F, D]
-    return np.stack([gate, up], axis=-1).transpose(0, 2, 1, 3)
-
-
-def stack_expert_down(c, *parts):
-    """Per-expert down [D, F] -> [E, F, D]."""
-    return np.stack(parts).transpose(0, 2, 1)
-
-
-def _experts(proj: str):
     def names(c):
-        if proj == "down_proj":
-            return tuple(f"mlp.experts.{e}.down_proj.weight" for e in range(c.num_experts))
-        return tuple(f"mlp.experts.{e}.{p}.weight" for p in ("gate_proj", "up_proj") for e in range(c.num_experts))
-    return names
+        return own(c).names(c)
+
+    def assemble(c, *parts):
+        return combine_parts(own(c).combine, list(parts), c)
+    return TensorRule(names, Combine(assemble, all(r.combine is None or r.combine.by_rows for r in rules)))
 
 
-def _gdn_in_proj(c):
-    if c.arch == "qwen3_next":
-        return (LIN + "in_proj_qkvz.weight", LIN + "in_proj_ba.weight")
-    return tuple(LIN + f"in_proj_{n}.weight" for n in ("qkv", "z", "b", "a"))
-
-
-def _gdn_in_proj_combine(c, *parts):
-    return qwen3_next_in_proj(c, *parts) if c.arch == "qwen3_next" else concat_rows(c, *parts)
-
-
-LIN = "linear_attn."
-_HYBRID_FFN = {
-    "mlp_norm": (("post_attention_layernorm.weight",), plus_one),
-    "gate_up_proj": (("mlp.gate_proj.weight", "mlp.up_proj.weight"), interleave_gate_up),
-    "down_proj": (("mlp.down_proj.weight",), None),
-    "router": (("mlp.gate.weight",), None),
-    "experts_gate_up": (_experts("gate_up"), stack_expert_gate_up),
-    "experts_down": (_experts("down_proj"), stack_expert_down),
-    "shared_gate_up": (("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight"),
-                       interleave_gate_up),
-    "shared_down": (("mlp.shared_expert.down_proj.weight",), None),
-    "shared_gate": (("mlp.shared_expert_gate.weight",), None),
-}
-HF_LAYER_TENSORS["gated_attention"] = {
-    "attn_norm": (("input_layernorm.weight",), plus_one),
-    "qkv_proj": ((ATTN + "q_proj.weight", ATTN + "k_proj.weight", ATTN + "v_proj.weight"), group_gated_qkv),
-    "q_norm": ((ATTN + "q_norm.weight",), plus_one),
-    "k_norm": ((ATTN + "k_norm.weight",), plus_one),
-    "o_proj": ((ATTN + "o_proj.weight",), None),
-    **_HYBRID_FFN,
-}
-HF_LAYER_TENSORS["gated_deltanet"] = {
-    "attn_norm": (("input_layernorm.weight",), plus_one),
-    "in_proj": (_gdn_in_proj, _gdn_in_proj_combine),
-    "conv_weight": ((LIN + "conv1d.weight",), conv_kernel),
-    "dt_bias": ((LIN + "dt_bias",), None),
-    "A_log": ((LIN + "A_log",), None),
-    "gdn_norm": ((LIN + "norm.weight",), None),
-    "out_proj": ((LIN + "out_proj.weight",), None),
-    **_HYBRID_FFN,
-}
-# Qwen3-MoE's sparse layers: the attention layer's tensors, and the experts where the MLP was (plain RMSNorm weights).
-HF_LAYER_TENSORS["attention_moe"] = {
-    **{name: v for name, v in HF_LAYER_TENSORS["attention"].items() if name not in ("gate_up_proj", "down_proj")},
-    **{name: _HYBRID_FFN[name] for name in ("router", "experts_gate_up", "experts_down")},
-}
-# Gemma 3: four norms a layer, each weight w applied as (1 + w) in float32 (`plus_one`, declared float32).
-HF_LAYER_TENSORS["gemma3_attention"] = {
-    "attn_norm": (("input_layernorm.weight",), plus_one),
-    "qkv_proj": ((ATTN + "q_proj.weight", ATTN + "k_proj.weight", ATTN + "v_proj.weight"), group_qkv),
-    "q_norm": ((ATTN + "q_norm.weight",), plus_one),
-    "k_norm": ((ATTN + "k_norm.weight",), plus_one),
-    "o_proj": ((ATTN + "o_proj.weight",), None),
-    "post_attn_norm": (("post_attention_layernorm.weight",), plus_one),
-    "mlp_norm": (("pre_feedforward_layernorm.weight",), plus_one),
-    "gate_up_proj": (("mlp.gate_proj.weight", "mlp.up_proj.weight"), interleave_gate_up),
-    "down_proj": (("mlp.down_proj.weight",), None),
-    "post_mlp_norm": (("post_feedforward_layernorm.weight",), plus_one),
-}
-
-# GPT-OSS: the attention layer's q/k/v (with biases), o_proj and its bias, the sinks; the router with its bias; the
-# experts as stored ([E, D, 2F] and [E, F, D]: the grouped matmul's layout; an MXFP4 checkpoint's are dequantized by
-# the loader, jaxspec.models.hf_loader).
-EXPERTS = "mlp.experts."
-HF_LAYER_TENSORS["gpt_oss"] = {
-    **{name: HF_LAYER_TENSORS["attention"][name] for name in ("attn_norm", "qkv_proj", "qkv_bias", "o_proj",
-                                                                  "mlp_norm")},
-    "o_bias": ((ATTN + "o_proj.bias",), None),
-    "sinks": ((ATTN + "sinks",), None),
-    "router": (("mlp.router.weight",), None),
-    "router_bias": (("mlp.router.bias",), None),
-    "experts_gate_up_proj": ((EXPERTS + "gate_up_proj",), None),
-    "experts_gate_up_bias": ((EXPERTS + "gate_up_proj_bias",), None),
-    "experts_down_proj": ((EXPERTS + "down_proj",), None),
-    "experts_down_bias": ((EXPERTS + "down_proj_bias",), None),
-}
-# Combines that read the model config (first argument).
-_CONFIG_COMBINES = {plus_one, group_gated_qkv, concat_rows, _gdn_in_proj_combine, conv_kernel, stack_expert_gate_up,
-                    stack_expert_down}
+# For each layer kind: declared weight -> (the HF tensors inside a layer it is made of, how they combine), as the
+# families declare them (jaxspec.models.families); readers with a config use `layer_rule`.
+HF_LAYER_TENSORS: dict[str, dict[str, TensorRule]] = _rules_by_kind()
 # Combines that only order, group and concatenate their tensors' rows (the last axis carried along): a per-row
 # array of each tensor (an FP8 checkpoint's scales, jaxspec.models.fp8_checkpoint) combines into the weight's rows.
-ROW_COMBINES = {None, group_qkv, interleave_gate_up, concat_rows, group_gated_qkv, _gdn_in_proj_combine}
+ROW_COMBINES = {None} | {rule.combine for tables in (*families.LAYER_TENSORS.values(), HF_LAYER_TENSORS)
+                         for table in tables.values() for rule in table.values()
+                         if rule.combine is not None and rule.combine.by_rows}
 
 
 def layer_sources(kind: str, name: str, config) -> tuple[str, ...]:
-    sources = HF_LAYER_TENSORS[kind][name][0]
-    return sources(config) if callable(sources) else sources
+    return layer_rule(config, kind, name).names(config)
 
 
 def resolve_dtype(dtype) -> str:
@@ -231,7 +113,7 @@ def read_layer_weight(get_tensor, kind: str, name: str, prefix: str, config, sha
                       optional: bool = False) -> np.ndarray | None:
     """One declared weight of one layer (HF names under `prefix`), assembled, shape-checked against the
     declaration and cast. `optional`: None when its HF tensors are absent (EAGLE-1's first layer norm)."""
-    combine = HF_LAYER_TENSORS[kind][name][1]
+    combine = layer_rule(config, kind, name).combine
     names = [prefix + s for s in layer_sources(kind, name, config)]
     if optional and not all(_has(get_tensor, n) for n in names):
         return None
@@ -244,13 +126,9 @@ def read_layer_weight(get_tensor, kind: str, name: str, prefix: str, config, sha
     return value.astype(np_dtype, copy=False)
 
 
-def combine_parts(combine, parts: list, config) -> np.ndarray:
-    """The HF tensors of one declared weight combined as HF_LAYER_TENSORS says (None: the one tensor as it is)."""
-    if combine is group_qkv:
-        return combine(*parts, config.num_kv_heads)
-    if combine in _CONFIG_COMBINES:
-        return combine(config, *parts)
-    return combine(*parts) if combine else parts[0]
+def combine_parts(combine: Combine | None, parts: list, config) -> np.ndarray:
+    """The HF tensors of one declared weight combined as its rule says (None: the one tensor as it is)."""
+    return combine(config, *parts) if combine else parts[0]
 
 
 def read_layer_weights(get_tensor, kind: str, prefix: str, config, specs: dict, np_dtype) -> dict:
@@ -286,13 +164,13 @@ def hf_tensor_names(config) -> list[str]:
     from jaxspec.nn.decoder import Decoder
     decoder = Decoder(config)
     schema = decoder.param_schema()
-    names = [TOP_TENSORS["embed"]]
+    names = list(top_rule(config, "embed").names(config))
     for i, kind in enumerate(decoder.layer_types):
         for name in schema["layers"][kind]:
             names += [f"model.layers.{i}.{s}" for s in layer_sources(kind, name, config)]
-    names.append(TOP_TENSORS["final_norm"])
+    names += top_rule(config, "final_norm").names(config)
     if "lm_head" in schema:
-        names.append(TOP_TENSORS["lm_head"])
+        names += top_rule(config, "lm_head").names(config)
     return names
 
 
@@ -315,10 +193,11 @@ def params_from_hf_tensors(config, get_tensor: Callable[[str], np.ndarray], dtyp
     for key in ("embed", "final_norm", "lm_head"):
         if key in schema:
             dtype_of_key = declared_dtype(schema[key], np_dtype)
-            value = read_top_weight(get_tensor, TOP_TENSORS[key], schema[key].shape, dtype_of_key)
-            if key == "final_norm" and (config.hybrid or config.plus_one_norms):
-                # zero-centred, as every norm of the hybrids but the gated one, and of Gemma 3 (float32)
-                value = plus_one(config, value).astype(dtype_of_key)
+            rule = top_rule(config, key)
+            (hf_name,) = rule.names(config)
+            value = read_top_weight(get_tensor, hf_name, schema[key].shape, dtype_of_key)
+            if rule.combine is not None:   # (a zero-centred final norm: the hybrids', Gemma 3's in float32)
+                value = rule.combine(config, value).astype(dtype_of_key)
             params[key] = jax.device_put(value)
     index_in_kind: dict[str, int] = {}
     counts = {kind: decoder.layer_types.count(kind) for kind in decoder.kinds}
