@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 # anything imports JAX.
 _PUBLIC = {"Examples": "jaxspec.train.data", "load_sharegpt": "jaxspec.train.data", "regenerate": "jaxspec.train.data",
            "render": "jaxspec.train.data", "save_regenerated": "jaxspec.train.data",
-           "TrainResult": "jaxspec.train.eagle3", "save_head": "jaxspec.train.eagle3", "train": "jaxspec.train.eagle3"}
+           "TrainResult": "jaxspec.train.eagle3", "save_head": "jaxspec.models.heads", "train": "jaxspec.train.eagle3"}
 
 
 def __getattr__(name: str):

@@ -26,14 +26,16 @@ import json
 import math
 import time
 from pathlib import Path
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.models.config import DRAFT_HEAD_ROPE_TYPES, ModelConfig
+from jaxspec.models.config import ModelConfig
+from jaxspec.models.heads import save_head
 from jaxspec.nn.decoder import Decoder, segment_positions
-from jaxspec.nn.eagle import EagleHead, eagle3_aux_layers
+from jaxspec.nn.eagle import EagleHead
 from jaxspec.nn.layers import mlp, project_qkv
 from jaxspec.nn.ops import Ops, rms_norm
 from jaxspec.nn.schema import initialize
@@ -231,6 +233,23 @@ def make_train_step(head: EagleHead, target_fn, d2t, config: TrainConfig):
     return train_step
 
 
+def make_eval_step(head: EagleHead, target_fn, d2t, config: TrainConfig):
+    """jit: (params, target params, ids [B, T], mask [B, T]) -> (per-step loss [J], per-step accuracy [J] over every
+    assistant position, the count of those positions, hits bool[J, B, T]): the training-time test of a batch
+    without a gradient, for the held-out report."""
+    d2t_dev, J, decay, cd = jnp.asarray(d2t), config.ttt_steps, config.step_decay, compute_dtype(config)
+
+    @functools.partial(jax.jit, compiler_options=COMPILER_OPTIONS)
+    def eval_step(params, target_params, ids, mask):
+        aux, teacher, in_vocab = target_fn(target_params, ids, d2t_dev)
+        weights = loss_weights(mask, in_vocab)
+        counted = _shift(mask, 1)
+        _, (losses, accs, hits) = ttt_forward(head, params, target_params["embed"], ids, aux, teacher, weights, J,
+                                              decay, counted, compute_dtype=cd)
+        return losses, accs, jnp.sum(counted), hits
+    return eval_step
+
+
 def ttt_forward(head: EagleHead, params, embed, ids, aux, teacher, weights, num_steps: int, step_decay: float,
                 counted=None, compute_dtype=jnp.float32, segments=None):
     """The training-time test over a batch -> (weighted loss, (per-step loss [J], per-step accuracy [J],
@@ -358,7 +377,7 @@ def format_throughput(t: dict) -> str:
             f"step MFU {pct(t['mfu']['step'])}")
 
 
-# ---- the loop -----------------------------------------------------------------------------------------------
+# ---- the run -------------------------------------------------------------------------------------------------
 
 @dataclasses.dataclass
 class TrainResult:
@@ -385,14 +404,42 @@ def _batches(n: int, batch_size: int, seed: int, step: int) -> np.ndarray:
 def train(target, examples: Examples, out_dir, config: TrainConfig = TrainConfig(), held_out: Examples | None = None,
           progress: bool = True) -> TrainResult:
     """Trains (or resumes, from the latest orbax checkpoint under out_dir/checkpoints) an EAGLE-3 head for
-    `target` (a Model) and writes it to out_dir in the HF layout the engine loads."""
-    import optax
-    import orbax.checkpoint as ocp
-    from tqdm.auto import tqdm
-
+    `target` (a Model) and writes it to out_dir in the HF layout the engine loads. The phases, in order: the
+    inputs checked; the head restored or started (a new one's draft vocabulary from a pass of the target); the
+    optimizer and the compiled steps; the target's outputs cached (cache_target_outputs); the training loop; its
+    throughput; the held-out evaluation; the head saved (jaxspec.models.heads.save_head) and the report written."""
     out_dir = Path(out_dir).absolute()
     out_dir.mkdir(parents=True, exist_ok=True)
-    tc = target.config
+    check_inputs(target.config, examples)
+    num_examples = len(examples)
+    if config.pack:   # before the draft vocabulary's pass too: it reads fewer rows
+        examples = examples.pack()
+    checkpoints = Checkpoints(out_dir)
+    state = restore_or_start(target, examples, checkpoints, config, progress)
+    steps = training_steps(state.head, target.config, state.d2t, config)
+    started = time.perf_counter()
+    cache, target_seconds = (cache_target_outputs(target, examples, steps, config, progress)
+                             if config.cache_target_outputs else (None, None))
+    run = training_loop(target, examples, state, steps, cache, checkpoints, config, started, progress)
+    throughput = measure_throughput(target, examples, config, run, steps, target_seconds)
+    if progress and throughput:
+        print(format_throughput(throughput))
+    seconds = time.perf_counter() - started
+    report = evaluate(run.params, target, held_out, steps, config) if held_out is not None and len(held_out) else {}
+    save_head(out_dir, state.head, run.params, state.d2t)
+    result = TrainResult(out_dir, run.losses, run.accuracies, state.step, report, seconds, num_examples,
+                         examples.num_target_tokens, throughput)
+    write_training_json(out_dir, result, run.total_steps, examples, config)
+    return result
+
+
+# ---- the phases of a run, in order ------------------------------------------------------------------------------
+
+def check_inputs(target_config: ModelConfig, examples: Examples):
+    """Refuses, before anything loads or runs, what cannot be trained: a target with layer kinds whose residual
+    stream the trainer cannot read (recurrent per-slot state), examples with no assistant token, and token ids past
+    the target's vocabulary (examples rendered with another tokenizer would train on the wrong tokens)."""
+    tc = target_config
     refused = sorted(set(tc.layer_types or ()) - set(EAGLE3_TARGET_LAYER_KINDS))
     if refused:
         raise ValueError(f"EAGLE-3 training does not support a target with layer kinds {', '.join(refused)} (arch "
@@ -404,92 +451,217 @@ def train(target, examples: Examples, out_dir, config: TrainConfig = TrainConfig
     if examples.ids.max() >= tc.vocab_size:
         raise ValueError(f"the examples hold token id {int(examples.ids.max())} but the target's vocabulary has "
                          f"{tc.vocab_size}: they were rendered with another tokenizer")
-    aux_layers = eagle3_aux_layers(tc.num_layers)
-    first_step = 0
-    manager = ocp.CheckpointManager(out_dir / CHECKPOINTS, options=ocp.CheckpointManagerOptions(
-        max_to_keep=2, save_interval_steps=1))
-    latest = manager.latest_step()
-    num_examples = len(examples)
-    if config.pack:   # before the draft vocabulary's pass too: it reads fewer rows
-        examples = examples.pack()
-    if latest is None:   # the draft vocabulary: what the target predicts most where the head is trained
-        predicted = predicted_tokens(target, examples, config.batch_size, progress)
-        next_is_assistant = np.pad(examples.mask[:, 1:], ((0, 0), (0, 1)))
-        if examples.segments is not None:   # a packed example's last token is not followed by the next's first
-            next_is_assistant *= np.pad(examples.segments[:, 1:] == examples.segments[:, :-1], ((0, 0), (0, 1)))
-        d2t = draft_vocabulary(predicted, next_is_assistant, tc.vocab_size, config.draft_vocab_size)
-    else:
-        d2t = np.asarray(json.loads((out_dir / CHECKPOINTS / "head.json").read_text())["d2t"], np.int32)
-    head = EagleHead("eagle3", head_config(tc), tc, draft_vocab_size=len(d2t), parallel=config.arch == "parallel")
 
-    optimizer = functools.partial(head_optimizer, config)
 
-    def schedule(total_steps):
-        warmup = min(config.warmup_steps, total_steps - 1)
-        return optax.warmup_cosine_decay_schedule(0.0, config.learning_rate, warmup, max(total_steps, warmup + 1),
-                                                  end_value=0.1 * config.learning_rate)
-    params = init_head(head, target.params, d2t, config.seed)
-    opt_state = optimizer(0.0).init(params)
+class Checkpoints:
+    """A run's orbax checkpoints under out_dir/checkpoints (the head's params and optimizer state; the last two
+    kept) and head.json beside them: the target's sizes, the draft vocabulary and the arch they were made with.
+    A resumed run reads head.json back, because the head's lm_head rows stand for that vocabulary's ids and the
+    vocabulary pass need not run again."""
 
-    if latest is not None:
-        saved = json.loads((out_dir / CHECKPOINTS / "head.json").read_text())
+    def __init__(self, out_dir: Path):
+        import orbax.checkpoint as ocp
+        self.out_dir, self.directory = out_dir, out_dir / CHECKPOINTS
+        self.manager = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(
+            max_to_keep=2, save_interval_steps=1))
+        self.resume_step = self.manager.latest_step()   # the step a run resumes from; None: a new run
+
+    def resumed_vocabulary(self, target_config: ModelConfig, arch: str) -> np.ndarray:
+        """The draft vocabulary (d2t) the checkpoints were made with, once head.json shows they were made for a
+        target of this one's sizes and for a head of this arch."""
+        path = self.directory / "head.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"{str(self.directory)!r} holds checkpoints (latest step {self.resume_step}) but "
+                                    "no head.json, the draft vocabulary they were trained on: use another --out "
+                                    "directory")
+        saved = json.loads(path.read_text())
+        tc = target_config
         if saved["hidden_size"] != tc.hidden_size or saved["vocab_size"] != tc.vocab_size:
-            raise ValueError(f"{str(out_dir)!r} holds a checkpoint for a target of hidden_size="
+            raise ValueError(f"{str(self.out_dir)!r} holds a checkpoint for a target of hidden_size="
                              f"{saved['hidden_size']}, vocab_size={saved['vocab_size']}; this target has "
                              f"{tc.hidden_size}, {tc.vocab_size}: use another --out directory")
-        if saved.get("arch", "chain") != config.arch:
-            raise ValueError(f"{str(out_dir)!r} holds a checkpoint of a head with arch={saved.get('arch', 'chain')!r};"
-                             f" this run asks for arch={config.arch!r}: resume with that arch or use another --out")
-        restored = manager.restore(latest, args=ocp.args.StandardRestore({"params": params, "opt_state": opt_state}))
-        params, opt_state, first_step = restored["params"], restored["opt_state"], latest
-    else:
-        (out_dir / CHECKPOINTS).mkdir(parents=True, exist_ok=True)
-        (out_dir / CHECKPOINTS / "head.json").write_text(json.dumps(
-            {"hidden_size": tc.hidden_size, "vocab_size": tc.vocab_size, "d2t": d2t.tolist(), "arch": config.arch}))
+        if saved.get("arch", "chain") != arch:
+            raise ValueError(f"{str(self.out_dir)!r} holds a checkpoint of a head with arch="
+                             f"{saved.get('arch', 'chain')!r}; this run asks for arch={arch!r}: resume with that arch "
+                             f"or use another --out")
+        return np.asarray(saved["d2t"], np.int32)
 
-    target_fn = make_target_fn(tc, aux_layers)
-    d2t_dev = jnp.asarray(d2t)
-    J, decay = config.ttt_steps, config.step_decay
-    cd = compute_dtype(config)
-    train_step = make_train_step(head, target_fn, d2t, config)
+    def record_start(self, target_config: ModelConfig, d2t: np.ndarray, arch: str):
+        """head.json of a new run: what `resumed_vocabulary` reads back and checks."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        (self.directory / "head.json").write_text(json.dumps(
+            {"hidden_size": target_config.hidden_size, "vocab_size": target_config.vocab_size, "d2t": d2t.tolist(),
+             "arch": arch}))
 
-    @functools.partial(jax.jit, compiler_options=COMPILER_OPTIONS)
-    def eval_step(params, target_params, ids, mask):
-        aux, teacher, in_vocab = target_fn(target_params, ids, d2t_dev)
-        weights = loss_weights(mask, in_vocab)
-        counted = _shift(mask, 1)
-        _, (losses, accs, hits) = ttt_forward(head, params, target_params["embed"], ids, aux, teacher, weights, J,
-                                              decay, counted, compute_dtype=cd)
-        return losses, accs, jnp.sum(counted), hits
+    def restore(self, params: dict, opt_state) -> tuple:
+        """(params, optimizer state) of step `resume_step`, in the structure of the ones given."""
+        import orbax.checkpoint as ocp
+        restored = self.manager.restore(self.resume_step, args=ocp.args.StandardRestore(
+            {"params": params, "opt_state": opt_state}))
+        return restored["params"], restored["opt_state"]
 
-    losses, accs = [], []
-    t0 = time.perf_counter()
-    cache, target_seconds = None, None
-    if config.cache_target_outputs:   # the target's features and teacher of every example, once (on the device)
-        parts, t_cache = [], time.perf_counter()
-        for i in tqdm(range(0, len(examples), config.batch_size), desc="target features (cached)",
-                      disable=not progress, unit="batch"):
-            rows = slice(i, i + config.batch_size)
-            parts.append(jax.block_until_ready(target_fn(   # each batch awaited, so that the bar moves with the device
-                target.params, examples.ids[rows], d2t_dev,
-                None if examples.segments is None else examples.segments[rows])))
-        cache = jax.tree_util.tree_map(lambda *xs: jnp.concatenate(xs), *parts)
-        target_seconds = (time.perf_counter() - t_cache) / len(parts)   # per batch, its compile included
-    total_steps, lr_at = config.steps, schedule(config.steps)
-    timed_from, timed_until = first_step + 5, first_step + 25   # after the compile; then the budget is applied
+    def save(self, step: int, params: dict, opt_state):
+        """Step `step`'s params and optimizer state, written on orbax's thread."""
+        import orbax.checkpoint as ocp
+        # from host copies taken here, not orbax's device reads on its own thread (see
+        # xla_flags.release_update_mode: the save crashed on an H100 under the VMM allocator)
+        self.manager.save(step, args=ocp.args.StandardSave(jax.device_get({"params": params, "opt_state": opt_state})))
+
+    def wait_until_finished(self):
+        self.manager.wait_until_finished()
+
+
+def draft_vocabulary_pass(target, examples: Examples, config: TrainConfig, progress: bool) -> np.ndarray:
+    """A new head's draft vocabulary (d2t): the config.draft_vocab_size tokens the target predicts most where the
+    head is trained (positions followed by an assistant token of the same example). The target's predictions, not
+    the data's tokens: a draft is accepted when it is what the target would emit. One pass of the target over the
+    data (minutes on a CPU)."""
+    predicted = predicted_tokens(target, examples, config.batch_size, progress)
+    next_is_assistant = np.pad(examples.mask[:, 1:], ((0, 0), (0, 1)))
+    if examples.segments is not None:   # a packed example's last token is not followed by the next's first
+        next_is_assistant *= np.pad(examples.segments[:, 1:] == examples.segments[:, :-1], ((0, 0), (0, 1)))
+    return draft_vocabulary(predicted, next_is_assistant, target.config.vocab_size, config.draft_vocab_size)
+
+
+@dataclasses.dataclass
+class HeadState:
+    """The head being trained and where it stands: its module, its draft vocabulary (draft id i stands for target
+    id d2t[i]), its params and optimizer state after `step` steps."""
+    head: EagleHead
+    d2t: np.ndarray
+    params: dict
+    opt_state: object
+    step: int
+
+
+def restore_or_start(target, examples: Examples, checkpoints: Checkpoints, config: TrainConfig,
+                     progress: bool) -> HeadState:
+    """The head to train and the step it starts at: the latest checkpoint's, on the draft vocabulary its head.json
+    recorded (checked to be of this target's sizes and this run's arch), or else a new head (init_head) at step 0
+    on a new vocabulary (draft_vocabulary_pass), recorded for a later resume. A resumed run continues the curve it
+    left, because each step's batch and learning rate depend on the step alone (`_batches`, the schedule)."""
+    tc = target.config
+    resuming = checkpoints.resume_step is not None
+    d2t = (checkpoints.resumed_vocabulary(tc, config.arch) if resuming else
+           draft_vocabulary_pass(target, examples, config, progress))
+    head = EagleHead("eagle3", head_config(tc), tc, draft_vocab_size=len(d2t), parallel=config.arch == "parallel")
+    params = init_head(head, target.params, d2t, config.seed)
+    opt_state = head_optimizer(config, 0.0).init(params)   # resuming: the structure the checkpoint restores into
+    if not resuming:
+        checkpoints.record_start(tc, d2t, config.arch)
+        return HeadState(head, d2t, params, opt_state, 0)
+    params, opt_state = checkpoints.restore(params, opt_state)
+    return HeadState(head, d2t, params, opt_state, checkpoints.resume_step)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingSteps:
+    """The jitted functions of a run: the target's forward (make_target_fn) over the draft vocabulary `d2t` (on the
+    device), the training step (make_train_step: the optimizer inside) and the evaluation step (make_eval_step)."""
+    target_fn: Callable
+    d2t: jax.Array
+    train_step: Callable
+    eval_step: Callable
+
+    def target_outputs(self, target_params, ids, segments=None) -> tuple:
+        """(aux, teacher, in_vocab) of the rows ids [B, T] (make_target_fn's)."""
+        return self.target_fn(target_params, ids, self.d2t, segments)
+
+
+def training_steps(head: EagleHead, target_config: ModelConfig, d2t: np.ndarray, config: TrainConfig) -> TrainingSteps:
+    """The optimizer and the steps: the target's forward, and the head's training and evaluation steps built on it,
+    each compiled once for the run. The learning rate is an argument of the training step, so that a time budget
+    can shorten the schedule (learning_rate_schedule) without a recompile."""
+    target_fn = make_target_fn(target_config, head.aux_layers)
+    return TrainingSteps(target_fn, jnp.asarray(d2t), make_train_step(head, target_fn, d2t, config),
+                         make_eval_step(head, target_fn, d2t, config))
+
+
+def learning_rate_schedule(config: TrainConfig, total_steps: int):
+    """step -> learning rate: a linear warm-up from 0 over config.warmup_steps (fewer in a shorter run), then a
+    cosine decay to a tenth of config.learning_rate at total_steps. Built for a total, so that a run cut by its
+    time budget decays over the steps it will run."""
+    import optax
+    warmup = min(config.warmup_steps, total_steps - 1)
+    return optax.warmup_cosine_decay_schedule(0.0, config.learning_rate, warmup, max(total_steps, warmup + 1),
+                                              end_value=0.1 * config.learning_rate)
+
+
+def cache_target_outputs(target, examples: Examples, steps: TrainingSteps, config: TrainConfig,
+                         progress: bool) -> tuple[tuple, float]:
+    """(the target's outputs for every example, kept on the device and never on disk; the seconds of the pass per
+    batch, its compile included): config.cache_target_outputs, for small datasets trained over many epochs, whose
+    steps then skip the target's forward."""
+    from tqdm.auto import tqdm
+    parts, started = [], time.perf_counter()
+    for i in tqdm(range(0, len(examples), config.batch_size), desc="target features (cached)",
+                  disable=not progress, unit="batch"):
+        rows = slice(i, i + config.batch_size)
+        parts.append(jax.block_until_ready(steps.target_outputs(   # each batch awaited: the bar moves with the device
+            target.params, examples.ids[rows], None if examples.segments is None else examples.segments[rows])))
+    cache = jax.tree_util.tree_map(lambda *xs: jnp.concatenate(xs), *parts)
+    return cache, (time.perf_counter() - started) / len(parts)
+
+
+class Batch(NamedTuple):
+    ids: np.ndarray                 # [B, T]
+    mask: np.ndarray                # [B, T] the assistant's tokens
+    cached: tuple | None            # the target's outputs of these rows (cache_target_outputs), or None
+    segments: np.ndarray | None     # [B, T] packed rows' example numbers (Examples.pack), or None
+
+
+def training_batch(examples: Examples, cache, config: TrainConfig, step: int) -> Batch:
+    """Step `step`'s batch: the rows `_batches` names (a function of the step alone, so that a resumed run trains
+    on what an unbroken one would), with their cached target outputs and segments."""
+    idx = _batches(len(examples), config.batch_size, config.seed, step)
+    return Batch(examples.ids[idx], examples.mask[idx],
+                 None if cache is None else jax.tree_util.tree_map(lambda x: x[idx], cache),
+                 None if examples.segments is None else examples.segments[idx])
+
+
+# Steps after a run's first before its steady rate is timed (the compile and the first steps behind them), and the
+# steps after its first whose time per step a time budget is measured over.
+STEADY_AFTER = 5
+BUDGET_TIMED = (5, 25)
+
+
+@dataclasses.dataclass
+class LoopRun:
+    """What the training loop leaves: the head's params after its last step, each step's loss and per-step
+    accuracies (on the host), the step count it ran to (config.steps, or fewer under a time budget), the seconds
+    of a steady step (None when too few steps ran to time one) and of its data, and the last batch."""
+    params: dict
+    losses: list[float]
+    accuracies: np.ndarray
+    total_steps: int
+    steady_seconds: float | None
+    data_seconds: float
+    last_batch: Batch | None
+
+
+def training_loop(target, examples: Examples, state: HeadState, steps: TrainingSteps, cache,
+                  checkpoints: Checkpoints, config: TrainConfig, started: float, progress: bool) -> LoopRun:
+    """Steps state.step .. config.steps: each on its seeded batch at the schedule's learning rate, a checkpoint
+    every config.save_every steps and at the last. With config.max_seconds, the steps BUDGET_TIMED after the first
+    are timed and the run is cut to the steps that fit in the budget (counted from `started`), the schedule
+    decaying over the cut count. The device runs ahead of the host: the loop waits on it only to time (the steady
+    rate from STEADY_AFTER steps in to the last step, before the last save), and the progress bar shows the step
+    before's loss, which is done by the time it is read."""
+    from tqdm.auto import tqdm
+    params, opt_state, first_step = state.params, state.opt_state, state.step
+    total_steps, lr_at = config.steps, learning_rate_schedule(config, config.steps)
+    steady_from = first_step + STEADY_AFTER
+    timed_from, timed_until = (first_step + n for n in BUDGET_TIMED)
     bar = tqdm(total=total_steps, initial=first_step, desc=f"training EAGLE-3 ({config.arch})", disable=not progress,
                unit="step")
-    step, steady_from, t_steady, data_seconds = first_step, first_step + 5, None, 0.0
+    step, losses, accs, batch, t_steady, data_seconds = first_step, [], [], None, None, 0.0
     while step < total_steps:
         t_data = time.perf_counter()
-        idx = _batches(len(examples), config.batch_size, config.seed, step)
-        batch = (examples.ids[idx], examples.mask[idx], None if cache is None else
-                 jax.tree_util.tree_map(lambda x: x[idx], cache),
-                 None if examples.segments is None else examples.segments[idx])
+        batch = training_batch(examples, cache, config, step)
         if step >= steady_from:
             data_seconds += time.perf_counter() - t_data
-        params, opt_state, loss, acc = train_step(params, opt_state, target.params, batch[0], batch[1],
-                                                  np.float32(lr_at(step)), batch[2], batch[3])
+        params, opt_state, loss, acc = steps.train_step(params, opt_state, target.params, batch.ids, batch.mask,
+                                                        np.float32(lr_at(step)), batch.cached, batch.segments)
         losses.append(loss)
         accs.append(acc)
         step += 1
@@ -503,10 +675,10 @@ def train(target, examples: Examples, out_dir, config: TrainConfig = TrainConfig
                 t_timed = time.perf_counter()
             else:
                 per_step = (time.perf_counter() - t_timed) / (timed_until - timed_from)
-                left = config.max_seconds - (time.perf_counter() - t0)
+                left = config.max_seconds - (time.perf_counter() - started)
                 fits = step + max(int(left / per_step), 0)
                 if fits < total_steps:
-                    total_steps, lr_at = max(fits, step), schedule(max(fits, step))
+                    total_steps, lr_at = fits, learning_rate_schedule(config, fits)
                     bar.total = total_steps
                     bar.write(f"{per_step * 1e3:.0f} ms per step: {total_steps} steps fit in "
                               f"max_seconds={config.max_seconds:g}")
@@ -514,122 +686,65 @@ def train(target, examples: Examples, out_dir, config: TrainConfig = TrainConfig
             jax.block_until_ready(loss)
             t_last = time.perf_counter()
         if step % config.save_every == 0 or step == total_steps:
-            # from host copies taken here, not orbax's device reads on its own thread (see
-            # xla_flags.release_update_mode: the save crashed on an H100 under the VMM allocator)
-            manager.save(step, args=ocp.args.StandardSave(jax.device_get({"params": params, "opt_state": opt_state})))
+            checkpoints.save(step, params, opt_state)
         if progress and len(losses) > 1 and (step % 10 == 1 or step == total_steps):
             # the step before's loss: done while this one runs, so reading it does not hold the device's queue
             a = np.asarray(accs[-2])
             bar.set_postfix(loss=f"{float(losses[-2]):.3f}", acc="/".join(f"{x:.2f}" for x in a[:4]))
-    steady_seconds = (t_last - t_steady) / (step - steady_from) if t_steady and step > steady_from else None
+    steady_seconds = (t_last - t_steady) / (step - steady_from) if t_steady is not None and step > steady_from else None
     bar.close()
-    manager.wait_until_finished()
-    if steady_seconds is not None and target_seconds is None:   # the target's share of a step: its forward alone
-        jax.block_until_ready(target_fn(target.params, batch[0], d2t_dev, batch[3]))   # (compiled here)
+    checkpoints.wait_until_finished()
+    return LoopRun(params, [float(x) for x in jax.device_get(losses)],
+                   np.asarray(jax.device_get(accs)).reshape(-1, config.ttt_steps), total_steps, steady_seconds,
+                   data_seconds / max(step - steady_from, 1), batch)
+
+
+def measure_throughput(target, examples: Examples, config: TrainConfig, run: LoopRun, steps: TrainingSteps,
+                       target_seconds: float | None) -> dict:
+    """training_throughput of the run's steady steps. The target's share of a step is its forward alone, timed
+    here on the last batch (three runs after one that compiles it) unless the cached pass timed it already: inside
+    the step it cannot be told apart from the head's. {} when too few steps ran to time."""
+    if run.steady_seconds is not None and target_seconds is None:
+        ids, segments = run.last_batch.ids, run.last_batch.segments
+        jax.block_until_ready(steps.target_outputs(target.params, ids, segments))   # (compiled here)
         t_target = time.perf_counter()
         for _ in range(3):
-            jax.block_until_ready(target_fn(target.params, batch[0], d2t_dev, batch[3]))
+            jax.block_until_ready(steps.target_outputs(target.params, ids, segments))
         target_seconds = (time.perf_counter() - t_target) / 3
-    throughput = training_throughput(target.params, params, examples, config, steady_seconds, target_seconds,
-                                     data_seconds / max(step - steady_from, 1))
-    if progress and throughput:
-        print(format_throughput(throughput))
-    losses = [float(x) for x in jax.device_get(losses)]
-    accs = np.asarray(jax.device_get(accs)).reshape(-1, J)
-    seconds = time.perf_counter() - t0
+    return training_throughput(target.params, run.params, examples, config, run.steady_seconds, target_seconds,
+                               run.data_seconds)
 
-    report = {}
-    if held_out is not None and len(held_out):
-        tot_l, tot_a, tot_w, hit_maps = np.zeros(J), np.zeros(J), 0.0, []
-        for i in range(0, len(held_out), config.batch_size):
-            ids, mask = held_out.ids[i:i + config.batch_size], held_out.mask[i:i + config.batch_size]
-            pad = config.batch_size - len(ids)
-            if pad:   # one compiled shape: padded examples have no weight
-                ids, mask = np.pad(ids, ((0, pad), (0, 0))), np.pad(mask, ((0, pad), (0, 0)))
-            l, a, w, hits = jax.device_get(eval_step(params, target.params, ids, mask))
-            tot_l, tot_a, tot_w = tot_l + l * w, tot_a + a * w, tot_w + float(w)
-            hit_maps.append(hits[:, :len(ids) - pad])
-        per_loss, per_acc = tot_l / max(tot_w, 1), tot_a / max(tot_w, 1)
-        length, per_position = simulated_acceptance(np.concatenate(hit_maps, 1), held_out.mask, min(4, J))
-        report = {"loss": per_loss.tolist(), "accuracy": per_acc.tolist(), "num_examples": len(held_out),
-                  "acceptance_length_k4": length, "per_position_acceptance_k4": per_position,
-                  "estimated_acceptance_length_k4": estimated_acceptance_length(per_acc, 4)}
-    save_head(out_dir, head, params, d2t)
-    result = TrainResult(out_dir, losses, accs, first_step, report, seconds, num_examples, examples.num_target_tokens,
-                         throughput)
+
+def evaluate(params, target, held_out: Examples, steps: TrainingSteps, config: TrainConfig) -> dict:
+    """The held-out report: per-step loss and accuracy (over every assistant position), greedy speculation at
+    k = min(4, J) replayed over the answers (simulated_acceptance: what the engine would accept) and the per-step
+    accuracies' estimate of it, so that a run says how good its head is before an engine serves it. Batches are
+    padded to batch_size (eval_step compiles once); padded rows carry no weight."""
+    J = config.ttt_steps
+    tot_l, tot_a, tot_w, hit_maps = np.zeros(J), np.zeros(J), 0.0, []
+    for i in range(0, len(held_out), config.batch_size):
+        ids, mask = held_out.ids[i:i + config.batch_size], held_out.mask[i:i + config.batch_size]
+        pad = config.batch_size - len(ids)
+        if pad:
+            ids, mask = np.pad(ids, ((0, pad), (0, 0))), np.pad(mask, ((0, pad), (0, 0)))
+        l, a, w, hits = jax.device_get(steps.eval_step(params, target.params, ids, mask))
+        tot_l, tot_a, tot_w = tot_l + l * w, tot_a + a * w, tot_w + float(w)
+        hit_maps.append(hits[:, :len(ids) - pad])
+    per_loss, per_acc = tot_l / max(tot_w, 1), tot_a / max(tot_w, 1)
+    length, per_position = simulated_acceptance(np.concatenate(hit_maps, 1), held_out.mask, min(4, J))
+    return {"loss": per_loss.tolist(), "accuracy": per_acc.tolist(), "num_examples": len(held_out),
+            "acceptance_length_k4": length, "per_position_acceptance_k4": per_position,
+            "estimated_acceptance_length_k4": estimated_acceptance_length(per_acc, 4)}
+
+
+def write_training_json(out_dir: Path, result: TrainResult, total_steps: int, examples: Examples,
+                        config: TrainConfig):
+    """out_dir/training.json: the run's report kept beside its head, so that the head's directory says how it was
+    made: the steps it ran to and from, its seconds, its data (examples, rows, their length, the tokens trained),
+    its throughput, its config and the held-out report."""
     (out_dir / "training.json").write_text(json.dumps({
-        "steps": total_steps, "first_step": first_step, "seconds": seconds, "num_examples": num_examples,
-        "num_rows": len(examples), "throughput": throughput,
-        "seq_len": int(examples.ids.shape[1]), "num_target_tokens": examples.num_target_tokens,
-        "config": dataclasses.asdict(config), "final_loss": losses[-1] if losses else None,
-        "held_out": report}, indent=1))
-    return result
-
-
-# ---- the HF layout ------------------------------------------------------------------------------------------
-
-def head_rope_scaling(c: ModelConfig) -> dict | None:
-    """The head's rope scaling as its config.json's `rope_scaling`, its type named (the loaders require one), each
-    field as the head loader (ModelConfig.from_hf, draft_head) reads it back to the same ModelConfig.rope_scaling:
-    linear (Gemma 3's global layers), llama3 (held without a type), yarn. None: plain rope."""
-    written = tuple(t for t in DRAFT_HEAD_ROPE_TYPES if t != "default")
-    if c.rope_freq_factors is not None:   # a GGUF target's per-frequency divisors: no config.json field holds them
-        raise ValueError(f"a head with rope_freq_factors (GGUF rope_freqs) cannot be written in the HF layout; "
-                         f"supported: rope_scaling of type {', '.join(written)}, or none")
-    scaling = c.rope_scaling_dict
-    if not scaling:
-        return None
-    if c.rope_type not in written:
-        raise ValueError(f"the head's rope scaling {scaling!r} (type {c.rope_type!r}) cannot be written in its "
-                         f"config.json; supported: {', '.join(written)}")
-    return {**scaling, "rope_type": c.rope_type}
-
-
-def save_head(path, head: EagleHead, params: dict, d2t: np.ndarray) -> Path:
-    """config.json + model.safetensors in the published EAGLE-3 layout: fc, midlayer.* (q/k/v/o, gate/up/down,
-    input_layernorm, hidden_norm, post_attention_layernorm), norm, lm_head over the draft vocabulary, d2t (the
-    offset of each draft id's target id) and t2d (the target ids that are in the draft vocabulary); a parallel
-    head adds its placeholders mask_embed and mask_hidden and `"parallel_drafting": true` in config.json."""
-    from safetensors.numpy import save_file
-    path = Path(path)
-    c, tc = head.config, head.target_config
-    lp = {k: np.asarray(w[0], np.float32) for k, w in jax.device_get(params["layers"]["attention"]).items()}
-    Hkv, G, hd = c.num_kv_heads, c.num_heads // c.num_kv_heads, c.head_dim
-    qkv = lp["qkv_proj"].reshape(Hkv, G + 2, hd, -1)
-    m = "midlayer."
-    tensors = {
-        "fc.weight": params["fc"], "norm.weight": params["norm"], "lm_head.weight": params["lm_head"],
-        m + "hidden_norm.weight": params["hidden_norm"],
-        m + "input_layernorm.weight": lp["attn_norm"], m + "post_attention_layernorm.weight": lp["mlp_norm"],
-        m + "self_attn.q_proj.weight": qkv[:, :G].reshape(Hkv * G * hd, -1),
-        m + "self_attn.k_proj.weight": qkv[:, G].reshape(Hkv * hd, -1),
-        m + "self_attn.v_proj.weight": qkv[:, G + 1].reshape(Hkv * hd, -1),
-        m + "self_attn.o_proj.weight": lp["o_proj"],
-        m + "mlp.gate_proj.weight": lp["gate_up_proj"][:, 0], m + "mlp.up_proj.weight": lp["gate_up_proj"][:, 1],
-        m + "mlp.down_proj.weight": lp["down_proj"]}
-    if head.parallel:
-        tensors.update(mask_embed=params["mask_embed"], mask_hidden=params["mask_hidden"])
-    tensors = {k: np.ascontiguousarray(np.asarray(v, np.float32)) for k, v in tensors.items()}
-    t2d = np.zeros(tc.vocab_size, bool)
-    t2d[d2t] = True
-    tensors["d2t"] = (np.asarray(d2t, np.int64) - np.arange(len(d2t)))
-    tensors["t2d"] = t2d
-    config = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": c.hidden_size,
-              "intermediate_size": c.intermediate_size, "num_attention_heads": c.num_heads,
-              "num_key_value_heads": c.num_kv_heads, "head_dim": hd, "num_hidden_layers": 1,
-              "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta, "vocab_size": tc.vocab_size,
-              "draft_vocab_size": len(d2t), "max_position_embeddings": c.max_position_embeddings,
-              "bos_token_id": c.bos_token_id, "eos_token_id": list(c.eos_token_ids), "tie_word_embeddings": False,
-              "torch_dtype": "float32"}
-    if head.parallel:
-        config["parallel_drafting"] = True
-    # No eagle_aux_hidden_state_layer_ids: vLLM reads those ids as "the output of layer id-1" and SGLang as "the
-    # output of layer id", so any value is wrong in one of them; both default to the layers this head reads.
-    rope_scaling = head_rope_scaling(c)
-    if rope_scaling is not None:
-        config["rope_scaling"] = rope_scaling
-    tmp = path / "model.safetensors.tmp"
-    save_file(tensors, str(tmp))
-    tmp.replace(path / "model.safetensors")
-    (path / "config.json").write_text(json.dumps(config, indent=1))
-    return path
+        "steps": total_steps, "first_step": result.first_step, "seconds": result.seconds,
+        "num_examples": result.num_examples, "num_rows": len(examples), "throughput": result.throughput,
+        "seq_len": int(examples.ids.shape[1]), "num_target_tokens": result.num_target_tokens,
+        "config": dataclasses.asdict(config), "final_loss": result.losses[-1] if result.losses else None,
+        "held_out": result.held_out}, indent=1))

@@ -22,12 +22,12 @@ draft KV stays complete, so a later step that drafts proposes what it would have
 """
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from jaxspec.decode.drafters.common import (
     check_same_vocab, draft_logprobs_spec, draft_loop, grammar_next, grammar_start, kv_slots_for, on_each_device,
     one_token_batch, pick_drafts)
+from jaxspec.models.heads import load_draft_model
 from jaxspec.nn.decoder import Decoder
 from jaxspec.nn.ops import ForwardBatch, Ops
 
@@ -135,21 +135,9 @@ def folded_batch(ctx, num_kv_slots: int) -> ForwardBatch:
                         first_token_of_row=jnp.clip(first + shift, 0, N - 1), writes_state=writes)
 
 
-def _as_model(spec_model, dtype_name: str):
-    from jaxspec.models.loader import load_model
-    if hasattr(spec_model, "params"):
-        model = spec_model
-        dtype = jnp.dtype(dtype_name)
-        params = jax.tree_util.tree_map(
-            lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, model.params)
-        return model, params
-    model = load_model(spec_model, dtype=dtype_name)
-    return model, model.params
-
-
 def build_draft_model_drafter(spec, target):
     """-> (DraftModelDrafter, draft params). `spec.model`: preset, GGUF, directory or a Model object."""
     dtype_name = jnp.dtype(target.params["embed"].dtype).name
-    draft, params = _as_model(spec.model, dtype_name)
+    draft, params = load_draft_model(spec.model, dtype_name)
     check_same_vocab(target, draft.config.vocab_size, draft.tokenizer, "the draft model")
     return DraftModelDrafter(draft.config, spec.draft_sampling), params

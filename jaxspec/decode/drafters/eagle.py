@@ -1,5 +1,5 @@
-"""EAGLE-1 and EAGLE-3 heads as drafters (their math is `jaxspec.nn.eagle.EagleHead`), loaded from the
-published HF layouts (config.json + safetensors).
+"""EAGLE-1 and EAGLE-3 heads as drafters (their math is `jaxspec.nn.eagle.EagleHead`), built from the head and
+params that jaxspec.models.heads reads from the published HF layouts (config.json + safetensors).
 
 Per step, with the target's batch (T tokens, R rows):
   (a) every token x_p of the batch (p >= 1) is paired with the feature at p-1 (the previous token of the
@@ -16,16 +16,12 @@ declared params and state: the MTP drafter (mtp.py) runs it with jaxspec.nn.mtp.
 from __future__ import annotations
 
 import dataclasses
-import json
-from pathlib import Path
 
-import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxspec.decode.drafters.common import (
     draft_logprobs_spec, draft_loop, grammar_next, grammar_start, kv_slots_for, one_token_batch, pick_drafts)
-from jaxspec.models.config import ModelConfig
+from jaxspec.models.heads import load_eagle_head
 from jaxspec.nn.eagle import EagleHead
 from jaxspec.nn.ops import ForwardBatch
 from jaxspec.nn.schema import Spec
@@ -149,107 +145,7 @@ class EagleDrafter:
         return kv, jnp.stack(drafts, 1), (jnp.stack(logprobs, 1) if self.draft_sampling == "sample" else None)
 
 
-# ---- loading ----------------------------------------------------------------------------------------------
-
-def _read_head_dir(path):
-    from jaxspec.models.hf_loader import SafetensorsDir
-    path = Path(path)
-    if not path.is_dir():
-        raise FileNotFoundError(f"EAGLE head {str(path)!r} is not a directory (expected config.json + "
-                                "model.safetensors in the published HF layout)")
-    config_path = path / "config.json"
-    if not config_path.is_file():
-        raise FileNotFoundError(f"EAGLE head directory {str(path)!r} has no config.json")
-    hf = json.loads(config_path.read_text())
-    return {"model_type": "llama", **hf}, SafetensorsDir(path)
-
-
-def _tensor(tensors, name: str, shape: tuple, dtype):
-    if name not in tensors:
-        raise ValueError(f"the EAGLE head has no tensor {name!r}")
-    value = np.asarray(tensors.get_tensor(name))
-    if tuple(value.shape) != tuple(shape):
-        raise ValueError(f"EAGLE head tensor {name!r} has shape {tuple(value.shape)}, expected {tuple(shape)}")
-    return value.astype(dtype)
-
-
-def _draft_to_target(tensors, draft_vocab: int, vocab_size: int) -> np.ndarray:
-    if "d2t" in tensors:
-        d2t = np.asarray(tensors.get_tensor("d2t")).astype(np.int64)
-        if d2t.shape != (draft_vocab,):
-            raise ValueError(f"EAGLE-3 d2t has shape {d2t.shape}, expected ({draft_vocab},)")
-        target_ids = np.arange(draft_vocab) + d2t
-    elif draft_vocab == vocab_size:
-        target_ids = np.arange(draft_vocab)
-    else:
-        raise ValueError("the EAGLE-3 head has a draft vocabulary smaller than the target's but no 'd2t' map")
-    if target_ids.min() < 0 or target_ids.max() >= vocab_size or len(set(target_ids.tolist())) != draft_vocab:
-        raise ValueError(f"EAGLE-3 d2t maps draft ids outside the target vocabulary [0, {vocab_size}) or "
-                         "maps two draft ids to one target id")
-    return target_ids.astype(np.int32)
-
-
-def _check_aux_layers(hf: dict, head: EagleHead):
-    """A head config may name the target layers it reads: top level in vLLM's numbering (id j: the output of
-    layer j-1), under "eagle_config" in SGLang / SpecForge's (id j: the output of layer j). The engine reads
-    the default layers only (outputs of 1, L//2-1 and L-4), which both projects use when no ids are given."""
-    ours = list(head.aux_layers)
-    for ids, offset, where in ((hf.get("eagle_aux_hidden_state_layer_ids"), 1, "eagle_aux_hidden_state_layer_ids"),
-                               ((hf.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids"), 0,
-                                "eagle_config.eagle_aux_hidden_state_layer_ids")):
-        if ids and [int(i) - offset for i in ids] != ours:
-            raise ValueError(f"the EAGLE-3 head's {where}={list(ids)} names other target layers than the ones "
-                             f"jaxspec feeds it (the outputs of layers {ours}, i.e. {where}="
-                             f"{[i + offset for i in ours]}); heads trained on other layers are not supported")
-
-
-def load_eagle_head(path, target_config, dtype) -> tuple[EagleHead, dict]:
-    """(EagleHead, its declared params) from a head directory in the published layout (EAGLE-1: fc [+ bias],
-    layers.{i}.*, optional norm; EAGLE-3: fc, midlayer.* with hidden_norm, norm, lm_head, d2t)."""
-    from jaxspec.models.weights import read_layer_weight
-    hf, tensors = _read_head_dir(path)
-    config = ModelConfig.from_hf(hf, draft_head=True)   # its rotary: its target's global one, any family's
-    tc = target_config
-    D = tc.hidden_size
-    if config.hidden_size != D:
-        raise ValueError(f"the EAGLE head has hidden_size={config.hidden_size} but the target has {D}: "
-                         "the head was trained for another target model")
-    if config.vocab_size != tc.vocab_size:
-        raise ValueError(f"the EAGLE head has vocab_size={config.vocab_size} but the target has {tc.vocab_size}: "
-                         "it must share the target's tokenizer and vocabulary")
-    eagle3 = "midlayer.self_attn.q_proj.weight" in tensors
-    parallel = eagle3 and "mask_hidden" in tensors
-    if bool(hf.get("parallel_drafting")) != parallel:
-        raise ValueError(f"the EAGLE head's config says parallel_drafting={hf.get('parallel_drafting')!r} but its "
-                         f"tensors {'have' if parallel else 'lack'} the placeholders 'mask_embed' and 'mask_hidden'")
-    head = EagleHead("eagle3" if eagle3 else "eagle", config, tc, fc_bias="fc.bias" in tensors,
-                     final_norm="norm.weight" in tensors and not eagle3,
-                     draft_vocab_size=int(hf.get("draft_vocab_size", config.vocab_size)) if eagle3 else 0,
-                     parallel=parallel)
-    if eagle3:
-        _check_aux_layers(hf, head)
-    schema = head.param_schema()
-    np_dtype = np.dtype(dtype)
-    get = tensors.get_tensor
-    layers = {name: np.empty(spec.shape, np_dtype) for name, spec in schema["layers"]["attention"].items()}
-    prefixes = ["midlayer."] if eagle3 else [f"layers.{i}." for i in range(config.num_layers)]
-    for i, prefix in enumerate(prefixes):
-        for name, buf in layers.items():
-            value = read_layer_weight(get, "attention", name, prefix, config, buf.shape[1:], np_dtype,
-                                      optional=name == "attn_norm" and not eagle3)
-            buf[i] = 1 if value is None else value    # EAGLE-1's first layer has no input norm (and uses none)
-    params = {"layers": {"attention": layers}}
-    if eagle3 and not all(prefix + "input_layernorm.weight" in tensors for prefix in prefixes):
-        raise ValueError("the EAGLE-3 head has no tensor 'midlayer.input_layernorm.weight'")
-    for key, name in (("fc", "fc.weight"), ("fc_bias", "fc.bias"), ("norm", "norm.weight"),
-                      ("hidden_norm", "midlayer.hidden_norm.weight"), ("lm_head", "lm_head.weight"),
-                      ("mask_embed", "mask_embed"), ("mask_hidden", "mask_hidden")):
-        if key in schema:
-            params[key] = _tensor(tensors, name, schema[key].shape, np_dtype)
-    if eagle3:
-        params["draft_to_target"] = _draft_to_target(tensors, head.draft_vocab_size, tc.vocab_size)
-    return head, jax.tree_util.tree_map(jnp.asarray, params)
-
+# ---- building ---------------------------------------------------------------------------------------------
 
 def build_eagle_drafter(spec, target):
     """-> (EagleDrafter, head params) for method "eagle" (EAGLE-1) or "eagle3", from a head directory."""

@@ -10,7 +10,7 @@ from jaxspec.models.errors import UnsupportedModelError
 # family's configs may ask for is the family's (`Family.rope_types`).
 ROPE_TYPES = ("default", "llama3", "yarn")
 # An EAGLE-3 head's config.json (one Llama layer) carries its target's global rotary whatever the target's family
-# (jaxspec.train.eagle3.save_head): Gemma 3's linear scaling, Llama 3's, GPT-OSS's YaRN. The head loader reads each as
+# (jaxspec.models.heads.save_head): Gemma 3's linear scaling, Llama 3's, GPT-OSS's YaRN. The head loader reads each as
 # the target's loader does (jaxspec.nn.ops.rope_inv_freq computes them for any layer).
 DRAFT_HEAD_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # Keys of a rope dict that name no scaling (a dict of only these, without a type, is plain rope). mrope_*: Qwen3.5's
