@@ -248,17 +248,20 @@ def test_what_is_compiled_is_answered_alike_while_compiles_land(tiered_run):
 
 def test_pricing_stops_at_its_budget_smallest_bucket_first(target, monkeypatch):  # noqa: F811
     """Step pricing never holds a start for longer than its budget: with each timed step taking (on a fake clock)
-    0.4 s and a 2-second budget, the pass stops after the pairs it reached (bucket 8's widths first), and the pairs
-    left keep the loop's measured periods."""
+    0.5 s and a 3-second budget, the pass stops at the first step that no longer fits (bucket 8's widths first), and
+    the pairs left keep the loop's measured periods."""
     from jaxspec.sched import pricing
     clock = [0.0]
 
-    def fake_time_step(runner, T, variant, runs=pricing.TIMED_RUNS, inputs=None):
-        clock[0] += 0.4
+    def fake_time_step(runner, T, variant, runs=pricing.TIMED_RUNS, inputs=None, seconds_left=float("inf")):
+        if seconds_left < 0.5:   # as time_step: not one run fits
+            return None
+        clock[0] += 0.5
         return 1e-3 * T
     monkeypatch.setattr(pricing, "time_step", fake_time_step)
     llm = LLM(target, **{**ENGINE, "max_num_batched_tokens": 16, "num_kv_blocks": 40}, warmup="full",
               speculative_config=dict(method="ngram", num_speculative_tokens=K, adaptive=True))
+    assert llm.engine.wait_compiled(300)   # adaptive k's narrower widths compile in the background
     pricing_pass = llm.engine.pricing
     assert pricing_pass.budget_s == pricing.PRICING_BUDGET_S
     chooser = llm.engine.k_chooser
@@ -266,12 +269,33 @@ def test_pricing_stops_at_its_budget_smallest_bucket_first(target, monkeypatch):
     chooser.context_cost.clear()
     clock[0] = 0.0
     monkeypatch.setattr(pricing_pass, "clock", lambda: clock[0])
-    monkeypatch.setattr(pricing_pass, "budget_s", 2.0)
+    monkeypatch.setattr(pricing_pass, "budget_s", 3.0)
     pricing_pass.time_steps()
-    # each pair: a blank step and a context step (0.8 s); the deadline (2.0 s) is passed after the third pair
+    # each pair: a blank step and a context step (1 s); the fourth pair's blank step no longer fits
     assert set(chooser.calibrated) == {(0, 8), (1, 8), (2, 8)}
     assert set(chooser.context_cost) == {(0, 8), (1, 8), (2, 8)}
-    assert clock[0] == pytest.approx(2.4)
+    assert clock[0] == 3.0
     monkeypatch.setattr(pricing_pass, "budget_s", 100.0)
     pricing_pass.time_steps()
     assert set(chooser.calibrated) == {(k, T) for T in BUCKETS for k in range(K + 1)}
+
+
+def test_a_slow_step_is_timed_with_the_runs_that_fit(target):  # noqa: F811
+    """time_step times no more runs than fit the seconds left at the pace of its untimed runs, and none where not one
+    does."""
+    from jaxspec.decode.step import StepVariant
+    from jaxspec.sched import pricing
+    llm = LLM(target, **{**ENGINE, "num_kv_blocks": 40}, warmup="full")
+    runner, runs = llm.engine.runner, []
+    run_packed = runner.run_packed
+
+    def slow_run(T, variant, buf, grammar_table=None, record=True):
+        time.sleep(0.05)
+        runs.append(record)
+        return run_packed(T, variant, buf, grammar_table, record)
+    runner.run_packed = slow_run
+    assert pricing.time_step(runner, 8, StepVariant(), seconds_left=0.06) is None
+    assert runs == [False] * pricing.UNTIMED_RUNS
+    runs.clear()
+    assert pricing.time_step(runner, 8, StepVariant(), seconds_left=0.3) > 0.04
+    assert 1 + pricing.UNTIMED_RUNS <= len(runs) < pricing.UNTIMED_RUNS + pricing.TIMED_RUNS and not any(runs)

@@ -69,9 +69,10 @@ def _stop_background_compiles():
         programs.join(timeout=120)
 
 
-def compile_threads() -> int:
-    """Compiles run at once when none autotunes: the host's cores (XLA's own compile is mostly one thread)."""
-    return max(1, min(16, os.cpu_count() or 1))
+def compile_threads(background: bool = False) -> int:
+    """Compiles run at once when none autotunes: the host's cores (XLA's own compile is mostly one thread), one of them
+    left to the engine loop while it serves beside background compiles."""
+    return max(1, min(16, os.cpu_count() or 1) - background)
 
 
 def store_wanted(platform: str) -> bool:
@@ -223,7 +224,7 @@ class StepPrograms:
             return FAST
         return tier if tier in tiers else tiers[-1]
 
-    def _run_jobs(self, jobs, grammar_spec, parallel: bool, desc: str | None):
+    def _run_jobs(self, jobs, grammar_spec, parallel: bool, desc: str | None, background: bool = False):
         jobs = [(key, self._tier_of(key, tier)) for key, tier in jobs]
         jobs = [(key, tier) for key, tier in dict.fromkeys(jobs) if not self.ready(key, tier)]
         if not jobs:
@@ -239,7 +240,7 @@ class StepPrograms:
                 if self._stop.is_set():
                     return
                 lowered.append((key, tier, *self._lower(key, tier, grammar_spec)))
-            with concurrent.futures.ThreadPoolExecutor(min(compile_threads(), len(lowered))) as pool:
+            with concurrent.futures.ThreadPoolExecutor(min(compile_threads(background), len(lowered))) as pool:
                 for _ in pool.map(lambda job: self._compile_lowered(*job), lowered):
                     bar.update()
         else:
@@ -324,8 +325,8 @@ class StepPrograms:
         def run():
             try:
                 jobs_at = [(key, self._tier_of(key, tier)) for key, tier in jobs]
-                self._run_jobs([j for j in jobs_at if j[1] == FAST], None, True, None)
-                self._run_jobs([j for j in jobs_at if j[1] == TUNED], None, True, None)
+                self._run_jobs([j for j in jobs_at if j[1] == FAST], None, True, None, background=True)
+                self._run_jobs([j for j in jobs_at if j[1] == TUNED], None, True, None, background=True)
             except BaseException as e:   # noqa: BLE001 - kept for the engine to report; the loop goes on
                 self.failure = e
         self._thread = threading.Thread(target=run, name="jaxspec-compile", daemon=True)

@@ -14,9 +14,9 @@ decoding's steps were timed at 1.5-3x their real time there).
 Prices are taken once the programs are compiled, at their best tier: at the end of a full warm-up, or (a tiered
 start) between live steps once the background compiles have ended. A pass keeps each pair's best of TIMING_ROUNDS
 (the first pass after a warm-up timed steps at 1.5-2x the live loop's on a CPU, where the best of two came within
-0-13% of it) and stops after PRICING_BUDGET_S seconds: a pair left out keeps the loop's measured periods. On a GPU a
-pass of every pair takes a few seconds; on a CPU a draft model's steps take tenths of a second each, and pricing
-every pair of SmolLM2 drafting for itself at k = 4 held a notebook's start for tens of minutes.
+0-13% of it) and stops after PRICING_BUDGET_S seconds, fewer timed runs where a step is slow (a pair left out keeps
+the loop's measured periods). On a GPU a pass of every pair takes a few seconds; on a CPU a step of SmolLM2 drafting
+for itself at k = 4 with a 4096-token context took ~1.8 s, and its first pair alone was timed for 37 s.
 """
 from __future__ import annotations
 
@@ -75,16 +75,22 @@ def context_inputs(runner: ModelRunner, T: int, k: int, context: int, scratch_bl
 
 
 def time_step(runner: ModelRunner, T: int, variant: StepVariant, runs: int = TIMED_RUNS,
-              inputs: StepInputs | None = None) -> float:
-    """Device seconds of one step of bucket T under this variant: its program run `runs` times back to back on `inputs`
-    (by default blank ones; `context_inputs` adds the attention over live contexts that a blank step leaves out),
-    after UNTIMED_RUNS untimed runs that also wait out a live step in flight. Back to back, as the loop issues steps,
-    the host's dispatch overlaps the device. The runs are not kept as the bucket's last live inputs (benchmarks
-    replay those)."""
+              inputs: StepInputs | None = None, seconds_left: float = float("inf")) -> float | None:
+    """Device seconds of one step of bucket T under this variant: its program run up to `runs` times back to back on
+    `inputs` (by default blank ones; `context_inputs` adds the attention over live contexts that a blank step leaves
+    out), after UNTIMED_RUNS untimed runs that also wait out a live step in flight. Back to back, as the loop issues
+    steps, the host's dispatch overlaps the device. No more timed runs than fit `seconds_left` by the untimed ones'
+    pace; None where not one does (a step that slow is left to the loop's measured periods). The runs are not kept as
+    the bucket's last live inputs (benchmarks replay those)."""
     buf = (runner.new_inputs(T) if inputs is None else inputs).pack()   # read, never written: every run may take it
+    t0 = time.perf_counter()
     for _ in range(UNTIMED_RUNS):
         out = runner.run_packed(T, variant, buf, record=False)
     jax.block_until_ready(out)
+    pace = (time.perf_counter() - t0) / UNTIMED_RUNS   # an upper bound: the first also waited for the step in flight
+    runs = min(runs, int((seconds_left - (time.perf_counter() - t0)) / max(pace, 1e-9)))
+    if runs < 1:
+        return None
     t0 = time.perf_counter()
     for _ in range(runs):
         out = runner.run_packed(T, variant, buf, record=False)
@@ -137,16 +143,20 @@ class StepPricing:
             deadline = self.clock() + self.budget_s
             try:
                 for k, T in tqdm(pairs * TIMING_ROUNDS, desc="timing steps", leave=False):
-                    if self.clock() > deadline:
+                    seconds = time_step(runner, T, variants[(k, T)], seconds_left=deadline - self.clock())
+                    if seconds is None:
                         break
-                    seconds = time_step(runner, T, variants[(k, T)])
                     blank[(k, T)] = min(seconds, blank.get((k, T), seconds))
                     if context:
                         inputs = context_inputs(runner, T, k, context, scratch[0])
-                        seconds = time_step(runner, T, variants[(k, T)], inputs=inputs)
+                        seconds = time_step(runner, T, variants[(k, T)], inputs=inputs,
+                                            seconds_left=deadline - self.clock())
+                        if seconds is None:
+                            break
                         with_context[(k, T)] = min(seconds, with_context.get((k, T), seconds))
             finally:
                 self.blocks.free_blocks(scratch)
             cost = {(k, T): max(seconds - blank[(k, T)], 0.0) / (context_rows(runner, T, k) * (k + 1) * context)
                     for (k, T), seconds in with_context.items()}
-            chooser.price(blank, cost)
+            # a pair priced without its context cost would be priced low for every live step: left to the periods
+            chooser.price({kT: t for kT, t in blank.items() if kT in cost or not context}, cost)

@@ -2,12 +2,17 @@
 server asks for ahead (a structured-outputs constraint's). What is compiled is the runner's `compiled` to answer
 (jaxspec.decode.compiled); adaptive k's step prices are taken once the programs are there (jaxspec.sched.pricing).
 
-    full    every warm program (each draft width under adaptive k), autotuned, then the prices
+    full    every warm program at the full draft width, autotuned; then the prices
     fast    the same without autotuning
     tiered  the smallest bucket's full-width programs without autotuning (tuned at once where the program store holds
             them tuned), then the engine serves while every other one compiles in the background, fast then tuned;
             the prices once those compiles end
     none    nothing ahead: each program compiles when a step first needs it
+
+Under adaptive k every mode but "none" compiles the narrower draft widths in the background: every step can run at the
+full width, and the chooser picks a narrower one once it is compiled (jaxspec.decode.compiled), so a request never waits
+for a program it does not need. (Compiled ahead, SmolLM2 drafting for itself at k = 4 held a CPU's first token for
+K + 1 = 5 times the programs, each with the draft model's forwards inside.) The prices are taken once they are all in.
 """
 from __future__ import annotations
 
@@ -54,7 +59,10 @@ class Warmup:
             programs.start_background([(k, FAST) for k in every if programs.start_tier(k) == FAST]
                                       + [(k, TUNED) for k in every])
         else:
-            runner.warmup(variants, tier=FAST if self.mode == "fast" else None)
+            tier = FAST if self.mode == "fast" else None
+            runner.warmup([v for v in variants if v.drafts is None], tier=tier)
+            runner.programs.start_background([(runner.program_key(T, v), tier or TUNED) for T in runner.token_buckets
+                                              for v in variants if v.drafts is not None])
         runner.warm_transfers(variants)
         self.compiled_on_demand_before = runner.compiled_on_demand
         if runner.compiled.compiling():
