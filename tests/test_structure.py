@@ -299,3 +299,21 @@ def test_a_slow_step_is_timed_with_the_runs_that_fit(target):  # noqa: F811
     runs.clear()
     assert pricing.time_step(runner, 8, StepVariant(), seconds_left=0.3) > 0.04
     assert 1 + pricing.UNTIMED_RUNS <= len(runs) < pricing.UNTIMED_RUNS + pricing.TIMED_RUNS and not any(runs)
+
+
+def test_an_engine_of_random_weights_imports_no_file_format():
+    """The drafters and the random-weight models import no file-format package (gguf) until a file is read: the GPU
+    machine's benchmarks build random-weight engines where gguf is not installed."""
+    import subprocess
+    code = """
+import importlib.abc, sys
+class NoGguf(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "gguf" or name.startswith("gguf."):
+            raise ImportError("gguf is not installed here (blocked by the test)")
+sys.meta_path.insert(0, NoGguf())
+import jaxspec.llm, jaxspec.spec, jaxspec.models.random, jaxspec.decode.drafters.draft_model
+import jaxspec.decode.drafters.eagle, jaxspec.decode.drafters.mtp, jaxspec.bench.cli
+"""
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert child.returncode == 0, child.stderr

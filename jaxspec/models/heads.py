@@ -14,16 +14,19 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.models.config import DRAFT_HEAD_ROPE_TYPES, ModelConfig
-from jaxspec.models.hf_loader import SafetensorsDir
 from jaxspec.models.weights import layer_sources, plus_one, read_layer_weight, read_top_weight
 from jaxspec.nn.eagle import EagleHead
 from jaxspec.nn.mtp import MTP_LAYER_KIND, MtpHead
+
+if TYPE_CHECKING:   # imported where a file is read: an engine of random weights reads none (nor needs gguf)
+    from jaxspec.models.hf_loader import SafetensorsDir
 
 # ---- EAGLE-1 / EAGLE-3 heads ---------------------------------------------------------------------------------
 
@@ -47,6 +50,7 @@ def read_head_dir(path) -> tuple[dict, SafetensorsDir]:
     if not config_path.is_file():
         raise FileNotFoundError(f"EAGLE head directory {str(path)!r} has no config.json")
     hf = json.loads(config_path.read_text())
+    from jaxspec.models.hf_loader import SafetensorsDir
     return {"model_type": "llama", **hf}, SafetensorsDir(path)
 
 
@@ -224,6 +228,7 @@ def mtp_tensor_names(config) -> list[str]:
 def load_mtp_head(path, target_config, dtype) -> tuple[MtpHead, dict]:
     """(MtpHead, its declared params) from the `mtp.*` tensors of the checkpoint directory `path`. A ValueError
     names the checkpoint and what it lacks: MTP weights at all, some of them, or it has more than one layer."""
+    from jaxspec.models.hf_loader import SafetensorsDir
     tensors = SafetensorsDir(path)
     if not any(name.startswith("mtp.") for name in tensors.file_of):
         raise ValueError(f"the checkpoint {str(path)!r} has no MTP weights (no 'mtp.*' tensors): speculative method "
