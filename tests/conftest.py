@@ -125,11 +125,13 @@ def pytest_configure(config):
 # order, pyproject's --no-loadscope-reorder), so the two workers end together on short files: xdist's default order
 # (files with the most tests first) left the notebook and the real-model files for the end, one worker running them
 # alone for minutes. A file not named here runs after these, in its own order.
-LONGEST_FIRST = ["test_spec_layouts.py", "test_train.py", "test_spec_sampling.py", "test_serve.py",
-                 "test_adaptive_k.py", "test_engine.py", "test_bench.py", "test_notebook.py", "test_model_parity.py",
-                 "test_serve_ray.py", "test_distributed.py",
-                 "test_spec.py", "test_structured.py", "test_serve_fields.py", "test_fp8.py", "test_hot_path.py",
-                 "test_core.py", "test_prefix_cache.py", "test_sliding_window.py", "test_tp.py", "test_hybrid.py"]
+LONGEST_FIRST = ["test_train.py", "test_engine.py", "test_spec_layouts.py", "test_adaptive_k.py", "test_spec_sampling.py",
+                 "test_spec.py", "test_serve.py", "test_tp.py", "test_bench.py", "test_hybrid.py", "test_fp8.py",
+                 "test_eagle3_families.py", "test_structured.py", "test_notebook.py", "test_hot_path.py",
+                 "test_train_packing.py", "test_serve_ray.py", "test_serve_fields.py", "test_model_parity.py",
+                 "test_gguf_tokenizer.py", "test_startup.py", "test_prefix_cache.py", "test_structure.py",
+                 "test_sliding_window.py", "test_parallel_drafter.py", "test_qwen3_moe.py", "test_core.py",
+                 "test_gpt_oss.py", "test_distributed.py"]
 
 
 def pytest_collection_modifyitems(config, items):
@@ -291,6 +293,40 @@ def random_model(seed: int = 0, *, arch: str = "llama", vocab_size: int = 128, h
                   name=f"random-{arch}-{seed}")
     model.hf_tensors = t
     return model
+
+
+def widened(model, factor: int = 2):
+    """A model of `factor` times the hidden size, heads, KV heads and MLP width that computes what `model` computes:
+    its weights in the first block of each wider matrix, zeros elsewhere (the extra heads attend to zero values, the
+    extra channels of the residual stream stay zero), norm weights scaled by sqrt(factor) and its eps divided by
+    factor (an RMS over `factor` times the channels, the extra ones zero). A draft model of other widths than its
+    target that agrees with it up to rounding."""
+    import dataclasses
+
+    import numpy as np
+    from jaxspec.models.model import Model
+    from jaxspec.models.weights import params_from_hf_tensors
+    c = model.config
+    config = dataclasses.replace(c, hidden_size=factor * c.hidden_size, num_heads=factor * c.num_heads,
+                                 num_kv_heads=factor * c.num_kv_heads, intermediate_size=factor * c.intermediate_size,
+                                 rms_norm_eps=c.rms_norm_eps / factor)
+
+    def padded(a, shape):
+        out = np.zeros(shape, np.float32)
+        out[tuple(slice(0, n) for n in a.shape)] = a
+        return out
+    tensors = {}
+    for name, a in model.hf_tensors.items():
+        if a.ndim == 1:   # a norm weight over the hidden channels
+            tensors[name] = padded(a / np.sqrt(factor), (factor * a.shape[0],))
+        elif name.endswith(("embed_tokens.weight", "lm_head.weight")):
+            tensors[name] = padded(a, (a.shape[0], factor * a.shape[1]))
+        else:
+            tensors[name] = padded(a, (factor * a.shape[0], factor * a.shape[1]))
+    wide = Model(config, params_from_hf_tensors(config, tensors.__getitem__, "float32"), tokenizer=None,
+                 name=model.name + "-widened")
+    wide.hf_tensors = tensors
+    return wide
 
 
 def transformers_from_gguf(path):

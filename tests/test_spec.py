@@ -143,6 +143,24 @@ def test_draft_model_equal_to_target_accepts_every_draft_through_chunks_cache_an
         assert o.metrics["num_accepted_tokens"] == o.metrics["num_draft_tokens"] > 0
 
 
+def test_a_draft_model_of_other_widths_drafts_losslessly(target, drafters):
+    """A draft model of twice the target's hidden size, heads, KV heads and MLP width (conftest.widened: it computes
+    what the target computes), with its own KV pool of its own shapes: lossless, and its drafts accepted as the target's
+    own would be, through chunked prefill and preemption."""
+    from conftest import widened
+    draft = widened(target)
+    prompts = [prompt_of(n, seed) for seed, n in enumerate([3, 9, 15, 20])]
+    llm = make_llm(target, drafters, "draft_model", 3, draft=draft)
+    outs = run(llm, prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    assert_greedy_lossless(target, prompts, outs)
+    state = llm.engine.runner.state
+    kv, draft_kv = state.layers["attention"]["k"], state.drafter["layers"]["attention"]["k"]
+    assert draft_kv.shape[-2] == 2 * kv.shape[-2]   # twice the KV heads, in a pool of its own
+    stats = llm.stats()
+    assert stats["num_preemptions"] > 0
+    assert min(stats["spec"]["per_position_acceptance"]) > 0.9, stats["spec"]
+
+
 # Per request (drafted, accepted) and accepted per draft position of the greedy k=3 run below, recorded with the
 # unfolded draft model (a pass over the step's tokens, then k single-token forwards): folding the pass into the
 # first proposal is the same math in one forward fewer, so the same drafts are accepted.

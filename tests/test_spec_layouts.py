@@ -1,4 +1,4 @@
-"""Speculation in the layouts a GPU runs and on real models: a real Qwen2.5-Coder 0.5B / 1.5B pair, the unrolled layers
+"""Speculation in the layouts a GPU runs and on real models: Qwen2.5-Coder 0.5B drafted by its first layers, the unrolled layers
 and the Pallas attention (interpreted here) for the draft model and the EAGLE heads, against the CPU layout and
 the dense references. The tiny target, drafters and helpers are tests/test_spec.py's."""
 import numpy as np
@@ -20,29 +20,39 @@ def humaneval_prompts(n: int) -> list[str]:
     return [problems[key]["prompt"] for key in sorted(problems, key=lambda s: int(s.split("/")[1]))[:n]]
 
 
+def first_layers(model, n: int):
+    """The model's first `n` layers under its own final norm and lm_head: its early exit, a draft model that agrees
+    with it often but not always (self-speculation)."""
+    import dataclasses
+
+    import jax
+    params = dict(model.params, layers=jax.tree_util.tree_map(lambda a: a[:n], model.params["layers"]))
+    return dataclasses.replace(model, config=dataclasses.replace(model.config, num_layers=n), params=params,
+                               name=f"{model.name}-first-{n}-layers")
+
+
 @pytest.mark.slow
-def test_qwen_coder_0_5b_drafts_for_1_5b_losslessly():
+def test_qwen_coder_0_5b_drafted_by_its_first_layers_losslessly():
+    """Real weights under speculation: Qwen2.5-Coder-0.5B-Instruct drafted by its first 21 of 24 layers, on HumanEval
+    prompts, greedy tokens equal to the dense forward's argmax, with drafts accepted and rejected. (The 1.5B target
+    this test once loaded took ~60 s of the suite on two cores; a draft of other widths than its target is
+    tests/test_spec.py's test_a_draft_model_of_other_widths_drafts_losslessly.)"""
     from jaxspec.models.loader import load_model
-    target = load_model("qwen2.5-coder-1.5b-instruct", dtype="float32")
-    draft = load_model("qwen2.5-coder-0.5b-instruct", dtype="float32")
+    target = load_model("qwen2.5-coder-0.5b-instruct", dtype="float32")
     llm = optimize_steps(LLM(target, dtype="float32", max_num_seqs=2, max_model_len=512, max_num_batched_tokens=128,
-                             block_size=16, warmup=False,
-                             speculative_config=dict(method="draft_model", model=draft, num_speculative_tokens=4)))
+                             block_size=16, warmup=False, speculative_config=dict(
+                                 method="draft_model", model=first_layers(target, 21), num_speculative_tokens=4)))
     texts = humaneval_prompts(2)
-    # each prompt's first 56 tokens (the signature, imports and part of the docstring) and 8 tokens more: on a CPU
-    # the 1.5B model's prefill, its steps (each a draft pass per draft and a verification) and the dense check grow
-    # with the tokens, and what is checked does not; 56 + 8 tokens are one 64-token dense check. Both requests
-    # still draft in every step after their prefill, and have drafts accepted and rejected (the first cut ends in
-    # a list of floats, the second mid-sentence)
+    # each prompt's first 56 tokens (the signature, imports and part of the docstring) and 8 tokens more: one 64-token
+    # dense check each; measured: 12 of 24 drafts accepted, per position 0.83 / 0.5 / 0.5 / 0.17
     prompts = [target.tokenizer.encode(t)[:56] for t in texts]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     assert all(len(o.token_ids) == 8 for o in outs)
     assert_greedy_lossless(target, prompts, outs, {"xla_backend_optimization_level": 2})
     spec = llm.stats()["spec"]
-    print(f"\nQwen2.5-Coder 0.5B -> 1.5B, k=4, HumanEval[:2] (56-token prompts): mean acceptance length "
-          f"{spec['mean_acceptance_length']:.2f}, acceptance rate {spec['acceptance_rate']:.2f}, "
-          f"per position {np.round(spec['per_position_acceptance'], 2).tolist()}")
-    assert spec["accepted_tokens"] > 0
+    print(f"\nQwen2.5-Coder 0.5B drafted by its first 21 layers, k=4, HumanEval[:2] (56-token prompts): mean acceptance "
+          f"length {spec['mean_acceptance_length']:.2f}, per position {np.round(spec['per_position_acceptance'], 2).tolist()}")
+    assert 0 < spec["accepted_tokens"] < spec["draft_tokens"]
 
 
 def test_unrolled_layers_and_pallas_attention_give_the_same_tokens():

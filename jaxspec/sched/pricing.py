@@ -88,7 +88,8 @@ def time_step(runner: ModelRunner, T: int, variant: StepVariant, runs: int = TIM
         out = runner.run_packed(T, variant, buf, record=False)
     jax.block_until_ready(out)
     pace = (time.perf_counter() - t0) / UNTIMED_RUNS   # an upper bound: the first also waited for the step in flight
-    runs = min(runs, int((seconds_left - (time.perf_counter() - t0)) / max(pace, 1e-9)))
+    fit = (seconds_left - (time.perf_counter() - t0)) / max(pace, 1e-9)
+    runs = min(runs, int(fit)) if fit < runs else runs
     if runs < 1:
         return None
     t0 = time.perf_counter()
