@@ -8,7 +8,7 @@ kinds' weights is read from. The registry, jaxspec.models.families, lists the fa
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
 from jaxspec.models.errors import UnsupportedModelError
 from jaxspec.models.families.rope import rope_scaling, rope_theta
@@ -59,10 +59,19 @@ class Family:
         """The config with what transformers defaults where it is absent, where that differs from ModelConfig's."""
         return hf
 
+    # What its configs may ask that transformers would apply and jaxspec does not implement, checked in this order:
+    # each (hf, model_type) -> None raises UnsupportedModelError naming the field, its value and what is supported.
+    refusals: tuple[Callable[[dict[str, Any], str], None], ...] = ()
+
     def refuse_unimplemented(self, hf: dict[str, Any], model_type: str) -> None:
-        """UnsupportedModelError naming the field (its value, and what is supported) when the config asks for
-        something transformers would apply and jaxspec does not implement."""
-        raise NotImplementedError(f"family {self.name!r} lists no refusals")
+        """The family's `refusals`, then its sliding-window rule's (a window it cannot apply is refused there)."""
+        for refuse in self.refusals:
+            refuse(hf, model_type)
+        self.sliding_window(hf, model_type)
+
+    def sliding_window(self, hf: dict[str, Any], model_type: str) -> tuple[int | None, tuple[bool, ...] | None]:
+        """(the window, which layers slide) as transformers applies them to this family's configs: none by default."""
+        return None, None
 
     def rope(self, hf: dict[str, Any], draft_head: bool) -> tuple[float, tuple | None]:
         """(rope_theta, rope_scaling) of ModelConfig. draft_head: the config of an EAGLE head, whose rotary may be
@@ -128,7 +137,7 @@ def nested_text_config(outer: dict[str, Any], model_type: str, tie_by_default: b
 SWIGLU_ACTS = ("silu", "swish")
 
 
-def refuse_unless_swiglu(hf: dict[str, Any]) -> None:
+def refuse_unless_swiglu(hf: dict[str, Any], model_type: str | None = None) -> None:
     act = hf.get("hidden_act", "silu")
     if act not in SWIGLU_ACTS:
         raise UnsupportedModelError(f"unsupported hidden_act {act!r}; supported: {', '.join(SWIGLU_ACTS)} "
@@ -143,13 +152,13 @@ def refuse_attention_bias(hf: dict[str, Any], model_type: str) -> None:
                                     "projection biases would be ignored); supported: attention_bias false")
 
 
-def refuse_mlp_bias(hf: dict[str, Any]) -> None:
+def refuse_mlp_bias(hf: dict[str, Any], model_type: str | None = None) -> None:
     if hf.get("mlp_bias"):
         raise UnsupportedModelError("mlp_bias=true is not supported (the gate/up/down projection biases would be "
                                     "ignored); supported: mlp_bias false")
 
 
-def refuse_soft_capping(hf: dict[str, Any]) -> None:
+def refuse_soft_capping(hf: dict[str, Any], model_type: str | None = None) -> None:
     for field in ("attn_logit_softcapping", "final_logit_softcapping"):
         if hf.get(field) is not None:
             raise UnsupportedModelError(f"{field}={hf[field]!r} is not supported (logit soft-capping is not "
@@ -164,6 +173,10 @@ def refuse_partial_rotary(hf: dict[str, Any], model_type: str, rope_dicts: tuple
     if float(factor) != 1.0:
         raise UnsupportedModelError(f"partial_rotary_factor={factor!r} is not supported for "
                                     f"model_type={model_type!r} (rotary covers the whole head); supported: 1.0")
+
+
+# SwiGLU, no soft-capping, rotary over the whole head: what every dense family here implements
+DENSE_REFUSALS = (refuse_unless_swiglu, refuse_soft_capping, refuse_partial_rotary)
 
 
 # ---- sliding windows -------------------------------------------------------------------------------------------

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from jaxspec.models.families.base import (Architecture, Family, attention_layer_types, marked_sliding,
-                                          refuse_partial_rotary, refuse_soft_capping, refuse_unless_swiglu,
-                                          sliding_window_fields)
+from jaxspec.models.families.base import (DENSE_REFUSALS, Architecture, Family, attention_layer_types,
+                                          marked_sliding, sliding_window_fields)
 from jaxspec.models.families.llama import ATTENTION_TENSORS
 from jaxspec.models.families.tensors import ATTN, TensorRule
 
@@ -37,11 +36,7 @@ class GptOss(Family):
     rope_types = ("default", "llama3", "yarn")   # yarn: tested against transformers for GPT-OSS
     mxfp4_experts = True
 
-    def refuse_unimplemented(self, hf: dict[str, Any], model_type: str) -> None:
-        refuse_unless_swiglu(hf)
-        refuse_soft_capping(hf)
-        refuse_partial_rotary(hf, model_type)
-        self.sliding_window(hf, model_type)
+    refusals = DENSE_REFUSALS
 
     def sliding_window(self, hf: dict[str, Any], model_type: str) -> tuple[int | None, tuple[bool, ...] | None]:
         """`sliding_window` (absent: 128) on the layers `layer_types` marks sliding_attention; without layer_types,

@@ -33,13 +33,8 @@ class Llama(Family):
     model_types = ("llama",)
     layer_tensors = {"attention": ATTENTION_TENSORS}
 
-    def refuse_unimplemented(self, hf: dict[str, Any], model_type: str) -> None:
-        refuse_unless_swiglu(hf)
-        refuse_attention_bias(hf, model_type)
-        refuse_mlp_bias(hf)
-        refuse_soft_capping(hf)
-        refuse_partial_rotary(hf, model_type)
-        self.sliding_window(hf, model_type)
+    refusals = (refuse_unless_swiglu, refuse_attention_bias, refuse_mlp_bias, refuse_soft_capping,
+                refuse_partial_rotary)
 
     def sliding_window(self, hf: dict[str, Any], model_type: str) -> tuple[int | None, tuple[bool, ...] | None]:
         """(None, None): transformers' Llama applies no window (a `sliding_window` key is ignored there), unless

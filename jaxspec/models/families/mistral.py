@@ -3,8 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from jaxspec.models.families.base import (attention_layer_types, refuse_partial_rotary, refuse_soft_capping,
-                                          refuse_unless_swiglu, sliding_window_fields)
+from jaxspec.models.families.base import DENSE_REFUSALS, attention_layer_types, sliding_window_fields
 from jaxspec.models.families.llama import Llama
 
 
@@ -14,11 +13,7 @@ class Mistral(Llama):
     display_name = "Mistral"
     model_types = ("mistral",)
 
-    def refuse_unimplemented(self, hf: dict[str, Any], model_type: str) -> None:
-        refuse_unless_swiglu(hf)
-        refuse_soft_capping(hf)
-        refuse_partial_rotary(hf, model_type)
-        self.sliding_window(hf, model_type)
+    refusals = DENSE_REFUSALS
 
     def sliding_window(self, hf: dict[str, Any], model_type: str) -> tuple[int | None, tuple[bool, ...] | None]:
         """`sliding_window` (absent: transformers' default, 4096) on every layer."""

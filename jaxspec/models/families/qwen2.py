@@ -3,8 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from jaxspec.models.families.base import (Architecture, attention_layer_types, marked_sliding,
-                                          refuse_partial_rotary, refuse_soft_capping, refuse_unless_swiglu,
+from jaxspec.models.families.base import (DENSE_REFUSALS, Architecture, attention_layer_types, marked_sliding,
                                           sliding_window_fields)
 from jaxspec.models.families.llama import Llama
 
@@ -18,11 +17,7 @@ class Qwen2(Llama):
     architecture = QWEN2_ARCHITECTURE
     model_types = ("qwen2",)
 
-    def refuse_unimplemented(self, hf: dict[str, Any], model_type: str) -> None:
-        refuse_unless_swiglu(hf)
-        refuse_soft_capping(hf)
-        refuse_partial_rotary(hf, model_type)
-        self.sliding_window(hf, model_type)
+    refusals = DENSE_REFUSALS
 
     def sliding_window(self, hf: dict[str, Any], model_type: str) -> tuple[int | None, tuple[bool, ...] | None]:
         """transformers' rule: a window only when `use_sliding_window` is true (`sliding_window`, absent: 4096), on

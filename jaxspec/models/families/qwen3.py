@@ -1,7 +1,6 @@
 """Qwen3 (model_type "qwen3"): Llama's layers with q and k RMSNormed per head, and Qwen's sliding-window rule."""
 from __future__ import annotations
 
-from typing import Any
 
 from jaxspec.models.families.base import (Architecture, refuse_attention_bias, refuse_partial_rotary,
                                           refuse_soft_capping, refuse_unless_swiglu)
@@ -16,12 +15,7 @@ class Qwen3(Qwen2):
     architecture = QWEN3_ARCHITECTURE
     model_types = ("qwen3",)
 
-    def refuse_unimplemented(self, hf: dict[str, Any], model_type: str) -> None:
-        refuse_unless_swiglu(hf)
-        refuse_attention_bias(hf, model_type)
-        refuse_soft_capping(hf)
-        refuse_partial_rotary(hf, model_type)
-        self.sliding_window(hf, model_type)
+    refusals = (refuse_unless_swiglu, refuse_attention_bias, refuse_soft_capping, refuse_partial_rotary)
 
 
 QWEN3 = Qwen3()

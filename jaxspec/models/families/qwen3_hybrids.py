@@ -107,10 +107,7 @@ class Qwen3Next(Family):
             return {**hf, "intermediate_size": hf.get("moe_intermediate_size", 0)}
         return hf
 
-    def refuse_unimplemented(self, hf: dict[str, Any], model_type: str) -> None:
-        refuse_unless_swiglu(hf)
-        refuse_attention_bias(hf, model_type)
-        refuse_soft_capping(hf)
+    refusals = (refuse_unless_swiglu, refuse_attention_bias, refuse_soft_capping)
 
     def rope(self, hf: dict[str, Any], draft_head: bool) -> tuple[float, tuple | None]:
         """Plain rotary on the first partial_rotary_factor of each head (jaxspec.nn.layers.gated_attention's

@@ -6,8 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxspec.models.families.base import (attention_layer_types, refuse_partial_rotary, refuse_soft_capping,
-                                          refuse_unless_swiglu, sliding_window_fields)
+from jaxspec.models.families.base import DENSE_REFUSALS, attention_layer_types, sliding_window_fields
 from jaxspec.models.families.llama import ATTENTION_TENSORS
 from jaxspec.models.families.qwen3 import Qwen3
 from jaxspec.models.families.tensors import TensorRule, combine
@@ -57,11 +56,7 @@ class Qwen3Moe(Qwen3):
     model_types = ("qwen3_moe",)
     layer_tensors = {"attention": ATTENTION_TENSORS, "attention_moe": ATTENTION_MOE_TENSORS}
 
-    def refuse_unimplemented(self, hf: dict[str, Any], model_type: str) -> None:
-        refuse_unless_swiglu(hf)
-        refuse_soft_capping(hf)
-        refuse_partial_rotary(hf, model_type)
-        self.sliding_window(hf, model_type)
+    refusals = DENSE_REFUSALS
 
     def sliding_window(self, hf: dict[str, Any], model_type: str) -> tuple[int | None, tuple[bool, ...] | None]:
         """transformers: every layer's window when `use_sliding_window` (no per-layer rule)."""
