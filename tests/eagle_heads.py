@@ -8,7 +8,6 @@ midlayer.hidden_norm, norm.weight, lm_head.weight [draft_vocab, D], d2t (int64) 
 """
 from __future__ import annotations
 
-import functools
 import json
 from pathlib import Path
 
@@ -161,9 +160,7 @@ def fit_eagle_head(method: str, path, target, seed: int = 0, steps: int = 300, n
     opt = optax.adam(optax.cosine_decay_schedule(lr, steps))
     state = opt.init(trainable)
 
-    # with LLVM's optimisation, which the suite otherwise leaves out (conftest): its 300 steps cost more to run than
-    # to compile (the two heads of conftest.spec_drafters: ~31 s without it)
-    @functools.partial(jax.jit, compiler_options={"xla_backend_optimization_level": 2})
+    @jax.jit
     def update(train, state):
         loss, grads = jax.value_and_grad(loss_fn)(train)
         upd, state = opt.update(grads, state)
