@@ -146,20 +146,57 @@ def in_window(key_positions, positions, window: int | None):
     return seen if window is None else seen & (key_positions > positions - window)
 
 
+# Keys each tile of the reference attention gathers per token: the step's memory is its tokens times this, and a
+# token's context is read only as far as the furthest position of the step reaches, however long max_model_len is.
+# Gathered whole (every token's max_model_len keys at once), a 4,096-token prefill chunk of SmolLM2-135M at a 4,096
+# context asked for 26 GB, and each decode step read max_model_len keys per token (issue #62).
+REFERENCE_TILE_KEYS = 256
+
+
 def paged_attention_reference(q, k_pool, v_pool, layer, batch: ForwardBatch, block_size: int,
                               window: int | None = None, sinks=None):
-    """Each token attends to its own row's blocks up to its position (within `window` keys of it, if given),
-    gathered into a dense context [T, MB*bs, Hkv, hd]: fine for tests and small batches. q [T, Hq, hd];
-    k/v_pool [L, S, Hkv, hd] (this step's k/v already written) -> [T, Hq*hd]."""
+    """Each token attends to its own row's blocks up to its position (within `window` keys of it, if given), a tile of
+    REFERENCE_TILE_KEYS keys at a time with an online softmax, over the tiles the step's tokens reach (a loop of
+    dynamic length: the furthest position in the step decides it). q [T, Hq, hd]; k/v_pool [L, S, Hkv, hd] (this
+    step's k/v already written) -> [T, Hq*hd] float32."""
     k_cache, v_cache = k_pool[layer], v_pool[layer]
     T, Hq, hd = q.shape
     Hkv = k_cache.shape[1]
+    per_tile = max(1, REFERENCE_TILE_KEYS // block_size)                          # blocks per tile
     tables = batch.block_tables[batch.row_of_token]                               # [T, MB]
-    slots = (tables[:, :, None] * block_size + jnp.arange(block_size)).reshape(T, -1)  # [T, C]
-    k = jnp.take(k_cache, slots, axis=0, mode="clip")                             # [T, C, Hkv, hd]
-    v = jnp.take(v_cache, slots, axis=0, mode="clip")
-    mask = in_window(jnp.arange(slots.shape[1])[None, :], batch.positions[:, None], window)   # [T, C]
-    return _attend(q.reshape(T, Hkv, Hq // Hkv, hd), k, v, mask, 1.0 / math.sqrt(hd), sinks)
+    num_tiles = -(-tables.shape[1] // per_tile)
+    tables = jnp.pad(tables, ((0, 0), (0, num_tiles * per_tile - tables.shape[1])))   # keys past MB: masked
+    keys = per_tile * block_size
+    positions = batch.positions[:, None]
+    qg = q.reshape(T, Hkv, Hq // Hkv, hd)
+    scale = 1.0 / math.sqrt(hd)
+    # the tiles some token reaches: from the first a window lets the nearest token see, to its furthest position's
+    last = jnp.clip(jnp.max(batch.positions) // keys + 1, 1, num_tiles)
+    first = 0 if window is None else jnp.clip((jnp.min(batch.positions) - window + 1) // keys, 0, last - 1)
+
+    def tile(i, carry):
+        o, m, l = carry
+        blocks = jax.lax.dynamic_slice_in_dim(tables, i * per_tile, per_tile, axis=1)           # [T, per_tile]
+        slots = (blocks[:, :, None] * block_size + jnp.arange(block_size)).reshape(T, keys)
+        k = jnp.take(k_cache, slots, axis=0, mode="clip")                                     # [T, keys, Hkv, hd]
+        v = jnp.take(v_cache, slots, axis=0, mode="clip")
+        s = jnp.einsum("tkgd,tckd->tkgc", qg, k, preferred_element_type=jnp.float32) * scale
+        visible = in_window(i * keys + jnp.arange(keys)[None, :], positions, window)          # [T, keys]
+        m_new = jnp.maximum(m, jnp.max(jnp.where(visible[:, None, None], s, -1e30), axis=-1))
+        p = jnp.where(visible[:, None, None], jnp.exp(s - m_new[..., None]), 0.0)
+        correction = jnp.exp(m - m_new)
+        o = o * correction[..., None] + jnp.einsum("tkgc,tckd->tkgd", p.astype(v.dtype), v,
+                                                   preferred_element_type=jnp.float32)
+        return o, m_new, l * correction + jnp.sum(p, axis=-1)
+
+    o0 = jnp.zeros(qg.shape, jnp.float32)
+    if sinks is None:
+        m0, l0 = jnp.full(qg.shape[:3], -1e30, jnp.float32), jnp.zeros(qg.shape[:3], jnp.float32)
+    else:   # a learned logit per query head joins the softmax's sum and attends to nothing (GPT-OSS's sinks)
+        m0 = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, Hkv, -1), qg.shape[:3])
+        l0 = jnp.ones(qg.shape[:3], jnp.float32)
+    o, _, l = jax.lax.fori_loop(first, last, tile, (o0, m0, l0))
+    return (o / jnp.maximum(l, 1e-30)[..., None]).reshape(T, Hq * hd)
 
 
 def dense_causal_attention(q, k_pool, v_pool, layer, batch: ForwardBatch, block_size: int,
