@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from jaxspec.pallas import paged_attention as pa   # attributes read at call time (NUM_SPLITS, kernels set for a run)
 from jaxspec.pallas.delta_rule import CHUNK, delta_rule_chunked, delta_rule_recurrent
 from jaxspec.pallas import grouped_matmul as gm
+from jaxspec.pallas import prefill_attention as prefill
 from jaxspec.pallas.gemv import gemv, needs_packing, tiling_for
 
 
@@ -114,6 +115,14 @@ def paged_attention_fn(q, k_pool, v_pool, layer, batch, block_size: int, window:
     return pa.paged_attention(q, k_pool, v_pool, jnp.asarray(layer, jnp.int32), positions, batch.row_of_token,
                               batch.block_tables, block_size=block_size, num_splits=pa.NUM_SPLITS, window=window,
                               sinks=sinks)
+
+
+def prefill_attention_fn(q, k_pool, v_pool, layer, batch, block_size: int, window: int | None = None, sinks=None):
+    """`Ops.attend` over the prefill kernel's query tiles (the batch's `first_in_step` set): as `paged_attention_fn`."""
+    positions = jnp.where(batch.slot_mapping < k_pool.shape[1], batch.positions, -1)
+    return prefill.prefill_attention(q, k_pool, v_pool, jnp.asarray(layer, jnp.int32), positions, batch.first_in_step,
+                                     batch.row_of_token, batch.block_tables, block_size=block_size, window=window,
+                                     sinks=sinks)
 
 
 def fused_attention_fn(c, lp, qkv, cos, sin, k_pool, v_pool, layer, batch, block_size: int,

@@ -157,19 +157,25 @@ def paged_attention_reference(q, k_pool, v_pool, layer, batch: ForwardBatch, blo
                               window: int | None = None, sinks=None):
     """Each token attends to its own row's blocks up to its position (within `window` keys of it, if given), a tile of
     REFERENCE_TILE_KEYS keys at a time with an online softmax, over the tiles the step's tokens reach (a loop of
-    dynamic length: the furthest position in the step decides it). q [T, Hq, hd]; k/v_pool [L, S, Hkv, hd] (this
+    dynamic length: the furthest position in the step decides it; a context of one tile is gathered whole). q [T, Hq, hd]; k/v_pool [L, S, Hkv, hd] (this
     step's k/v already written) -> [T, Hq*hd] float32."""
     k_cache, v_cache = k_pool[layer], v_pool[layer]
     T, Hq, hd = q.shape
     Hkv = k_cache.shape[1]
     per_tile = max(1, REFERENCE_TILE_KEYS // block_size)                          # blocks per tile
     tables = batch.block_tables[batch.row_of_token]                               # [T, MB]
+    scale = 1.0 / math.sqrt(hd)
+    if tables.shape[1] <= per_tile:   # the whole context is one tile: gathered at once, no loop to fuse across
+        slots = (tables[:, :, None] * block_size + jnp.arange(block_size)).reshape(T, -1)   # [T, C]
+        k = jnp.take(k_cache, slots, axis=0, mode="clip")                                 # [T, C, Hkv, hd]
+        v = jnp.take(v_cache, slots, axis=0, mode="clip")
+        mask = in_window(jnp.arange(slots.shape[1])[None, :], batch.positions[:, None], window)
+        return _attend(q.reshape(T, Hkv, Hq // Hkv, hd), k, v, mask, scale, sinks)
     num_tiles = -(-tables.shape[1] // per_tile)
     tables = jnp.pad(tables, ((0, 0), (0, num_tiles * per_tile - tables.shape[1])))   # keys past MB: masked
     keys = per_tile * block_size
     positions = batch.positions[:, None]
     qg = q.reshape(T, Hkv, Hq // Hkv, hd)
-    scale = 1.0 / math.sqrt(hd)
     # the tiles some token reaches: from the first a window lets the nearest token see, to its furthest position's
     last = jnp.clip(jnp.max(batch.positions) // keys + 1, 1, num_tiles)
     first = 0 if window is None else jnp.clip((jnp.min(batch.positions) - window + 1) // keys, 0, last - 1)
@@ -220,6 +226,21 @@ GEMV_MATMULS = {"qkv": "qkv_proj", "o": "o_proj", "gate_up": "gate_up_proj", "do
 GATE_ACTIVATIONS = {"silu": jax.nn.silu, "gelu_pytorch_tanh": functools.partial(jax.nn.gelu, approximate=True)}
 # Steps of at least this many tokens compile their matmuls to cuBLAS on a GPU (Ops.compiler_options).
 CUBLAS_FROM_TOKENS = 128
+
+
+# Steps of at least this many tokens attend with the prefill kernel on a GPU (`Ops.prefill_attention_from_tokens`).
+PREFILL_ATTENTION_FROM_TOKENS = 256
+
+
+def prefill_attention_from_tokens(gpu: bool) -> int | None:
+    """The step size from which the prefill kernel attends: PREFILL_ATTENTION_FROM_TOKENS on a GPU, None elsewhere
+    (the CPU's reference attention is tiled already). JAXSPEC_PREFILL_ATTENTION_FROM_TOKENS sets it (0: never)."""
+    value = os.environ.get("JAXSPEC_PREFILL_ATTENTION_FROM_TOKENS")
+    if value is None:
+        return PREFILL_ATTENTION_FROM_TOKENS if gpu else None
+    if not value.isdigit():
+        raise ValueError(f"JAXSPEC_PREFILL_ATTENTION_FROM_TOKENS={value!r} is invalid; give a token count (0: never)")
+    return int(value) or None
 
 
 def gemv_matmuls(spec: str) -> frozenset:
@@ -302,6 +323,10 @@ class Ops:
     # The Pallas attention with the q/k rotary embedding and the KV write inside (`fuses_kv_write`): one kernel
     # instead of five per layer. JAXSPEC_FUSED_ATTENTION=0 keeps them apart (for measuring).
     fused_attention: bool = True
+    # Steps of at least this many tokens (their rows contiguous: `ForwardBatch.first_in_step`) attend with the
+    # prefill kernel's query tiles (jaxspec.pallas.prefill_attention: a row's KV read once per tile of its tokens,
+    # not once per token), their k/v written by XLA's scatter before it. None: never.
+    prefill_attention_from_tokens: int | None = None
     # FP8 weights (jaxspec.nn.quant): "fp8" declares the layers' projections as e4m3 with per-channel scales. Steps
     # of at least w8a8_from_tokens tokens quantize the activations too (an FP8 GEMM); smaller ones convert the
     # weight inside the matmul (W8A16). None: W8A16 at every size.
@@ -411,6 +436,7 @@ class Ops:
                    delta_rule=delta_rule, gemv=gemv_matmuls(os.environ.get(
                        "JAXSPEC_GEMV", ("all" if quantization else "down") if gpu else "")),
                    fused_attention=os.environ.get("JAXSPEC_FUSED_ATTENTION", "1") != "0",
+                   prefill_attention_from_tokens=prefill_attention_from_tokens(gpu),
                    quantization=quantization, w8a8_from_tokens=w8a8_from_tokens(quantization, gpu),
                    fp8_gemv=os.environ.get("JAXSPEC_FP8_GEMV", "plain"),
                    grouped_matmul=grouped_matmul_choice(gpu))
@@ -440,7 +466,13 @@ class Ops:
         attention on one device, and a batch that says where each row's step begins. A NUM_SPLITS other than 1
         (the unfused kernel's, set by profile_step's --attention-splits to measure it) keeps the unfused one."""
         return (self.fused_attention and self.attention == "pallas" and self.tp is None and pa.NUM_SPLITS == 1
-                and batch.first_in_step is not None)
+                and batch.first_in_step is not None and not self.uses_prefill_kernel(batch))
+
+    def uses_prefill_kernel(self, batch: ForwardBatch) -> bool:
+        """Whether the step attends with the prefill kernel's query tiles (`prefill_attention_from_tokens`)."""
+        return (self.attention == "pallas" and self.prefill_attention_from_tokens is not None
+                and batch.first_in_step is not None
+                and batch.positions.shape[0] >= self.prefill_attention_from_tokens)
 
     def attend(self, q, k_pool, v_pool, layer, batch: ForwardBatch, window: int | None = None, sinks=None):
         """q [T, Hq, hd] against the pools [L, S, Hkv, hd] of layer `layer` (each token within `window` keys of
@@ -454,6 +486,8 @@ class Ops:
         return fn(q, k_pool, v_pool, layer, batch)
 
     def _attend_local(self, q, k_pool, v_pool, layer, batch: ForwardBatch, window: int | None = None, sinks=None):
+        if self.uses_prefill_kernel(batch):
+            return kernels.prefill_attention_fn(q, k_pool, v_pool, layer, batch, self.block_size, window, sinks)
         if self.attention == "pallas":
             return kernels.paged_attention_fn(q, k_pool, v_pool, layer, batch, self.block_size, window, sinks)
         if self.attention == "dense":
