@@ -53,12 +53,12 @@ def main():
         for _ in range(args.repeats + 1):
             prompt = {"prompt_token_ids": rng.integers(10, vocab - 10, n).tolist()}
             (out,) = llm.generate([prompt], params, use_tqdm=False)
-            runs.append((out.metrics["ttft"], out.metrics["tpot"]))
+            runs.append((out.metrics["ttft"], out.metrics["tpot"], list(out.token_ids)))
         ttft = [r[0] for r in runs[1:]]
         tpot = [r[1] for r in runs[1:]]
         row = {"prompt_tokens": n, "ttft_s": float(np.median(ttft)), "ttft_all_s": ttft,
                "prompt_tokens_per_s": n / float(np.median(ttft)), "tpot_ms": 1e3 * float(np.median(tpot)),
-               "first_run_ttft_s": runs[0][0]}
+               "first_run_ttft_s": runs[0][0], "token_ids": [r[2] for r in runs]}
         rows.append(row)
         print(f"{n:>6} tokens: TTFT {row['ttft_s']:.3f} s ({row['prompt_tokens_per_s']:.0f} tok/s), "
               f"TPOT {row['tpot_ms']:.2f} ms", flush=True)
