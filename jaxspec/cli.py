@@ -98,6 +98,12 @@ def serve(argv: list[str]):
         run_server(app, sock, args)
 
 
+def kv_cache_line(kv: dict) -> str:
+    """Engine.kv_cache() in a line: what the pool holds, in tokens and in requests of max_model_len tokens."""
+    return (f"KV cache of {kv['tokens']:,} tokens ({kv['bytes'] / 2**30:.2f} GiB): "
+            f"{kv['max_model_len_requests']:.2f} requests of max_model_len {kv['max_model_len']:,} tokens at once")
+
+
 def url_of(sock) -> str:
     host, port = sock.getsockname()[:2]
     return f"http://{f'[{host}]' if ':' in host else host}:{port}"
@@ -113,6 +119,7 @@ def load_app(args, options):
         from jaxspec.models.random import random_model
         model = random_model(args.model, dtype=resolve_dtype(args.dtype), seed=args.seed)
     llm = LLM(model, **engine_kwargs(args))
+    print(f"jaxspec serve: {kv_cache_line(llm.engine.kv_cache())}", file=sys.stderr, flush=True)
     return build_app(llm, args.served_model_name or args.model, http_options=http_options(args), options=options)
 
 

@@ -112,3 +112,20 @@ def test_a_steps_attention_memory_grows_with_its_tokens_not_max_model_len(long_m
     per_key = T * c.num_kv_heads * c.head_dim * 4           # one key (or value) of every token's context, f32
     whole_context = 2 * per_key * MAX_LEN
     assert temp < 8 * per_key * REFERENCE_TILE_KEYS < whole_context / 2, (temp, whole_context)
+
+
+def test_the_kv_cache_reports_what_it_holds(long_model, capsys):
+    """Engine.kv_cache(): its tokens, bytes (k and v of every layer, float32) and the requests of max_model_len tokens
+    that fit at once, as the bench report prints them."""
+    from jaxspec.bench.report import print_report
+    llm = LLM(long_model[0], **{**ENGINE, "max_model_len": 1000}, num_kv_blocks=150, block_size=16)
+    kv = llm.engine.kv_cache()
+    per_token = 2 * DIMS["num_hidden_layers"] * DIMS["num_key_value_heads"] * (64 // 4) * 4
+    assert kv == {"blocks": 150, "tokens": 2400, "max_model_len": 1000, "bytes": 2400 * per_token,
+                  "max_model_len_requests": 150 / 63}
+    report = {"label": "x", "requests": 1, "duration_s": 1.0, "input_tokens": 1, "output_tokens": 1,
+              "request_throughput": 1.0, "output_throughput": 1.0, "total_throughput": 1.0, "kv_cache": kv,
+              **{name: {"mean": 1.0, "median": 1.0, "p99": 1.0} for name in ("ttft_ms", "tpot_ms", "itl_ms")}}
+    print_report(report)
+    out = capsys.readouterr().out
+    assert "KV cache (tokens)" in out and "2,400" in out and "Requests of 1,000 tokens at once" in out and "2.38" in out

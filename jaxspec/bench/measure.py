@@ -107,6 +107,7 @@ def run_config(llm, workload: Workload, args, label: str) -> dict:
         "itl_ms": {"mean": 1e3 * np.mean(itl) if itl else float("nan"),
                    "median": 1e3 * np.median(itl) if itl else float("nan"), "p99": 1e3 * _pct(itl, 99)},
         "recompiles": engine.stats()["recompiles"],
+        "kv_cache": engine.kv_cache(),
         # Which tokens came out (configurations that must agree, e.g. sync and async greedy, compare this)
         "output_digest": output_digest([o.token_ids for o in outs]),
         **output_summary(args, [len(o.token_ids) for o in outs], [o.text for o in outs],

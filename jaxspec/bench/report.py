@@ -18,6 +18,10 @@ def print_report(r: dict):
             ("Engine steps", r.get("steps", "-")),
             # None: the engine ran no warm-up (--warmup none), so nothing counts as a recompile
             ("Recompiles after warm-up", "-" if r.get("recompiles") is None else r["recompiles"])]
+    if "kv_cache" in r:   # what the KV pool holds (an offline run: the engine is in this process)
+        kv = r["kv_cache"]
+        rows += [("KV cache (tokens)", f"{kv['tokens']:,}"),
+                 (f"Requests of {kv['max_model_len']:,} tokens at once", f"{kv['max_model_len_requests']:.2f}")]
     if "saturated_output_throughput" in r:   # while max_concurrency requests were in flight (online.py)
         rows.insert(6, ("Saturated output throughput (tok/s)", f"{r['saturated_output_throughput']:.2f}"))
     if np.isfinite(r.get("request_rate", float("inf"))):

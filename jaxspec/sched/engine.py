@@ -370,6 +370,15 @@ class Engine:
         with this constraint then compile nothing. Call it with no request running."""
         self.warm.warmup_structured(self.compile_structured(params), self.grammar_tables, sample)
 
+    def kv_cache(self) -> dict:
+        """The target's KV pool: blocks, tokens and bytes, and how many requests of max_model_len tokens it holds at
+        once (vLLM's "maximum concurrency"; a request's blocks are its context's, so fewer if windows cap them)."""
+        block_size, max_model_len = self.step_config.block_size, self.step_config.max_model_len
+        blocks = self.blocks.num_blocks
+        return {"blocks": blocks, "tokens": blocks * block_size, "max_model_len": max_model_len,
+                "bytes": blocks * block_size * self.runner.kv_bytes_per_token(),
+                "max_model_len_requests": blocks / -(-max_model_len // block_size)}
+
     def stats(self) -> dict:
         out = self.counts.report(runner=self.runner, scheduler=self.scheduler, blocks=self.blocks,
                                  grammar_tables=self.grammar_tables, grammar_compiler=self.intake.grammar_compiler,
@@ -377,7 +386,8 @@ class Engine:
                                  async_scheduling=self.config.async_scheduling,
                                  compiled_before_warmup_ended=self.warm.compiled_on_demand_before) | {
             "quantization": quantization_report(self.config.quantization, self.runner,
-                                                getattr(self.model, "quantization_detail", None))}
+                                                getattr(self.model, "quantization_detail", None)),
+            "kv_cache": self.kv_cache()}
         if self.k_chooser is not None:   # adaptive k: the measured step times and acceptance it chooses from
             out["spec"]["chooser"] = self.k_chooser.snapshot()
         return out
