@@ -156,6 +156,10 @@ ENGINE_FLAGS: dict[str, tuple[tuple[str, ...], dict]] = {
         default=None, choices=["fp8"],
         help="weights quantized on load: fp8 (float8 e4m3 with per-output-channel scales: the layers' projections, "
              "MoE experts included, of the target and of a draft model or EAGLE/MTP head)")),
+    "kv_cache_dtype": (("--kv-cache-dtype",), dict(
+        default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
+        help="the KV cache's dtype: auto (the model's) or fp8 (e4m3, as fp8_e4m3) / fp8_e5m2, a byte per value with "
+             "a per-tensor scale of 1: twice the tokens of a bf16 cache")),
     "logprobs_mode": (("--logprobs-mode",), dict(
         default="raw_logprobs", choices=["raw_logprobs", "processed_logprobs"],
         help="what logprobs return: the model's log-softmax (raw) or the distribution sampled from (processed: "
@@ -166,7 +170,7 @@ ENGINE_FLAGS: dict[str, tuple[tuple[str, ...], dict]] = {
 SERVER_ENGINE_FIELDS = ("dtype", "max_num_seqs", "max_model_len", "max_num_batched_tokens", "block_size",
                         "num_kv_blocks", "kv_memory_fraction", "async_scheduling", "enable_prefix_caching",
                         "speculative_config", "seed", "tensor_parallel_size", "structured_compile_timeout",
-                        "structured_compile_memory", "warmup", "quantization", "logprobs_mode")
+                        "structured_compile_memory", "warmup", "quantization", "kv_cache_dtype", "logprobs_mode")
 
 
 def add_engine_args(p: argparse.ArgumentParser, fields: tuple[str, ...] = SERVER_ENGINE_FIELDS):

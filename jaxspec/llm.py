@@ -35,7 +35,8 @@ class LLM:
                  warmup: bool | str = "auto", seed: int = 0, attention: str = "auto", unroll_layers: bool | None = None,
                  tensor_parallel_size: int = 1, structured_compile_timeout: float = 30.0,
                  structured_compile_memory: float = 2.0,
-                 delta_rule: str = "auto", logprobs_mode: str = "raw_logprobs", quantization: str | None = None):
+                 delta_rule: str = "auto", logprobs_mode: str = "raw_logprobs", quantization: str | None = None,
+                 kv_cache_dtype: str = "auto"):
         from jaxspec.models.loader import load_model
 
         t0 = time.perf_counter()
@@ -49,7 +50,7 @@ class LLM:
             attention=attention, unroll_layers=unroll_layers, tensor_parallel_size=tensor_parallel_size,
             structured_compile_timeout=structured_compile_timeout,
             structured_compile_memory=structured_compile_memory, delta_rule=delta_rule,
-            logprobs_mode=logprobs_mode, quantization=quantization),
+            logprobs_mode=logprobs_mode, quantization=quantization, kv_cache_dtype=kv_cache_dtype),
             speculative_config)
         self.model = self.engine.model   # quantized, where asked (a model this LLM loaded is then released)
         self.speculative_config = self.engine.speculative_config

@@ -20,7 +20,8 @@ from jaxspec.cli_args import (ArgumentParser, add_engine_args, check_engine_conf
 # async_scheduling are set by the bench's own --max-concurrency (also the requests a workload keeps in flight) and
 # --async/--sync (--compare runs both).
 BENCH_ENGINE_FIELDS = ("dtype", "speculative_config", "max_model_len", "max_num_batched_tokens", "attention",
-                       "delta_rule", "enable_prefix_caching", "warmup", "tensor_parallel_size", "quantization", "seed")
+                       "delta_rule", "enable_prefix_caching", "warmup", "tensor_parallel_size", "quantization",
+                       "kv_cache_dtype", "seed")
 
 # What --base-url leaves to the server (its own engine and speculation) or cannot do (no engine in this process).
 IN_PROCESS_ONLY = ("compare", "steady_state", "baseline", "profile", "save_workload", "spec_method", "draft_model",

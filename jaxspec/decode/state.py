@@ -27,6 +27,7 @@ class StepConfig:
     max_model_len: int
     num_speculative_tokens: int = 0
     logprobs_mode: str = "raw_logprobs"   # one of sched.config.LOGPROBS_MODES: which distribution `logprobs` reads
+    kv_dtype: str | None = None           # the KV pools' dtype by name (None: the model's; sched.config.KV_CACHE_DTYPES)
 
     @property
     def history_len(self) -> int:
@@ -39,7 +40,7 @@ class StepConfig:
     @property
     def cache_shape(self) -> CacheShape:
         return CacheShape(num_kv_slots=self.num_blocks * self.block_size, num_slots=self.num_slots + 1,
-                          num_speculative_tokens=self.num_speculative_tokens)
+                          num_speculative_tokens=self.num_speculative_tokens, kv_dtype=self.kv_dtype)
 
 
 @flax.struct.dataclass

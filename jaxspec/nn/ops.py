@@ -123,6 +123,16 @@ def apply_rope(x, positions, inv_freq, scale: float = 1.0):
     return (x32 * cos + rotated * sin).astype(x.dtype)
 
 
+def to_kv_dtype(x, dtype):
+    """x as the KV pool of `dtype` stores it: a one-byte float pool (an fp8 KV cache, per-tensor scale 1) saturates at
+    its largest finite value, where a plain cast past it gives NaN."""
+    dtype = jnp.dtype(dtype)
+    if dtype.itemsize == 1 and jnp.issubdtype(dtype, jnp.floating):
+        largest = float(jnp.finfo(dtype).max)
+        x = jnp.clip(x.astype(jnp.float32), -largest, largest)
+    return x.astype(dtype)
+
+
 def _attend(q, k, v, mask, scale, sinks=None):
     """q [T, Hkv, G, hd]; k/v [T, C, Hkv, hd] (per-token context) or [C, Hkv, hd] (shared); mask [T, C]; sinks
     [Hkv*G] f32 or None: a learned logit per query head that joins the softmax's sum and attends to nothing
@@ -167,8 +177,8 @@ def paged_attention_reference(q, k_pool, v_pool, layer, batch: ForwardBatch, blo
     scale = 1.0 / math.sqrt(hd)
     if tables.shape[1] <= per_tile:   # the whole context is one tile: gathered at once, no loop to fuse across
         slots = (tables[:, :, None] * block_size + jnp.arange(block_size)).reshape(T, -1)   # [T, C]
-        k = jnp.take(k_cache, slots, axis=0, mode="clip")                                 # [T, C, Hkv, hd]
-        v = jnp.take(v_cache, slots, axis=0, mode="clip")
+        k = jnp.take(k_cache, slots, axis=0, mode="clip").astype(q.dtype)                 # [T, C, Hkv, hd]
+        v = jnp.take(v_cache, slots, axis=0, mode="clip").astype(q.dtype)   # (an fp8 pool read back)
         mask = in_window(jnp.arange(slots.shape[1])[None, :], batch.positions[:, None], window)
         return _attend(q.reshape(T, Hkv, Hq // Hkv, hd), k, v, mask, scale, sinks)
     num_tiles = -(-tables.shape[1] // per_tile)
@@ -184,8 +194,8 @@ def paged_attention_reference(q, k_pool, v_pool, layer, batch: ForwardBatch, blo
         o, m, l = carry
         blocks = jax.lax.dynamic_slice_in_dim(tables, i * per_tile, per_tile, axis=1)           # [T, per_tile]
         slots = (blocks[:, :, None] * block_size + jnp.arange(block_size)).reshape(T, keys)
-        k = jnp.take(k_cache, slots, axis=0, mode="clip")                                     # [T, keys, Hkv, hd]
-        v = jnp.take(v_cache, slots, axis=0, mode="clip")
+        k = jnp.take(k_cache, slots, axis=0, mode="clip").astype(q.dtype)                     # [T, keys, Hkv, hd]
+        v = jnp.take(v_cache, slots, axis=0, mode="clip").astype(q.dtype)
         s = jnp.einsum("tkgd,tckd->tkgc", qg, k, preferred_element_type=jnp.float32) * scale
         visible = in_window(i * keys + jnp.arange(keys)[None, :], positions, window)          # [T, keys]
         m_new = jnp.maximum(m, jnp.max(jnp.where(visible[:, None, None], s, -1e30), axis=-1))
@@ -210,7 +220,7 @@ def dense_causal_attention(q, k_pool, v_pool, layer, batch: ForwardBatch, block_
     """One sequence whose token t sits at KV slot t: plain causal attention (no pages). Tokens of other rows
     (`row_of_token`: sequences packed end to end, Decoder.dense_forward) are not seen."""
     T, Hq, hd = q.shape
-    k, v = k_pool[layer][:T], v_pool[layer][:T]
+    k, v = k_pool[layer][:T].astype(q.dtype), v_pool[layer][:T].astype(q.dtype)
     mask = in_window(batch.positions[None, :], batch.positions[:, None], window)
     mask &= batch.row_of_token[None, :] == batch.row_of_token[:, None]
     return _attend(q.reshape(T, k.shape[1], -1, hd), k, v, mask, 1.0 / math.sqrt(hd), sinks)
@@ -229,7 +239,10 @@ CUBLAS_FROM_TOKENS = 128
 
 
 # Steps of at least this many tokens attend with the prefill kernel on a GPU (`Ops.prefill_attention_from_tokens`).
-PREFILL_ATTENTION_FROM_TOKENS = 256
+# None until the kernel has run and been timed on a GPU (tests/gpu/test_prefill_attention_gpu.py,
+# benchmarks/kernels/bench_prefill_attention.py, benchmarks/end_to_end/long_prompts.py: issue #62); until then
+# JAXSPEC_PREFILL_ATTENTION_FROM_TOKENS=256 opts in.
+PREFILL_ATTENTION_FROM_TOKENS = None
 
 
 def prefill_attention_from_tokens(gpu: bool) -> int | None:

@@ -59,8 +59,9 @@ def _kernel(layer_ref, window_ref, pos_ref, row_ref, tables_ref, sinks_ref, q_re
         table_idx = j * pages_per_iter + jax.lax.broadcasted_iota(jnp.int32, (pages_per_iter,), 0)
         blocks = jnp.maximum(tables_ref[row, pl.ds(j * pages_per_iter, pages_per_iter)], 0)
         blocks = jnp.where(table_idx < num_pages, blocks, 0)
-        k = k_ref[layer, blocks, :, h, :].reshape(keys, hd)              # [P*bs, hd]
-        v = v_ref[layer, blocks, :, h, :].reshape(keys, hd)
+        # [P*bs, hd], in q's dtype (an fp8 pool read back)
+        k = k_ref[layer, blocks, :, h, :].reshape(keys, hd).astype(q.dtype)
+        v = v_ref[layer, blocks, :, h, :].reshape(keys, hd).astype(q.dtype)
         s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
                                 preferred_element_type=jnp.float32) * scale     # [G16, P*bs]
         key_pos = j * keys + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
@@ -275,7 +276,7 @@ def _fused_kernel(layer_ref, wlayer_ref, window_ref, pos_ref, slot_ref, first_re
         dst = (layer, slot // block_size, pl.ds(slot % block_size, 1), h)
         for ref, x in ((k_out_ref, k), (v_out_ref, v)):
             for part, xi in zip(halves, x):
-                plgpu.store(ref.at[(*dst, part)], xi.astype(ref.dtype))
+                plgpu.store(ref.at[(*dst, part)], _to_pool(xi, ref.dtype))
 
     def attend(carry, k, v, visible):
         """One online-softmax update: keys k and values v as halves [n, hd/2], `visible` [q_rows, n]."""
@@ -310,6 +311,8 @@ def _fused_kernel(layer_ref, wlayer_ref, window_ref, pos_ref, slot_ref, first_re
         cos, sin = (plgpu.load(ref.at[rows, :], mask=mine, other=0.0) for ref in (cos_ref, sin_ref))
         k = rotate(with_bias(load(qkv_ref, (rows, k_row), mine), pl.ds(k_row, 1)), k_norm_ref, cos, sin)
         v = with_bias(load(qkv_ref, (rows, v_row), mine), pl.ds(v_row, 1))
+        if jnp.dtype(k_ref.dtype).itemsize == 1:   # an fp8 pool: the keys as later steps will read them back
+            k, v = (tuple(_to_pool(xi, k_ref.dtype) for xi in x) for x in (k, v))
         key_row = start + jax.lax.broadcasted_iota(jnp.int32, (q_rows, chunk), 1)   # at position pos - (t - row)
         visible = key_row <= t if window is None else (key_row <= t) & (key_row > t - window)
         return attend(carry, k, v, visible)
@@ -337,6 +340,15 @@ def _fused_kernel(layer_ref, wlayer_ref, window_ref, pos_ref, slot_ref, first_re
         rows_in_group = jax.lax.broadcasted_iota(jnp.int32, (q_rows,), 0) < G
         plgpu.store(m_ref.at[t, split, pl.ds(h * G, q_rows)], m, mask=rows_in_group)
         plgpu.store(l_ref.at[t, split, pl.ds(h * G, q_rows)], l, mask=rows_in_group)
+
+
+def _to_pool(x, dtype):
+    """x as the pool of `dtype` stores it: a one-byte float pool (an fp8 KV cache) saturates at its largest finite
+    value, as jaxspec.nn.ops.to_kv_dtype (this package imports only JAX)."""
+    if jnp.dtype(dtype).itemsize == 1:
+        largest = float(jnp.finfo(dtype).max)
+        x = jnp.clip(x.astype(jnp.float32), -largest, largest)
+    return x.astype(dtype)
 
 
 def fused_splits(num_tokens: int) -> int:

@@ -70,8 +70,9 @@ def _kernel(layer_ref, window_ref, start_ref, pos_ref, first_ref, row_ref, table
             table_idx = j * pages_per_iter + jax.lax.broadcasted_iota(jnp.int32, (pages_per_iter,), 0)
             blocks = jnp.maximum(tables_ref[row, pl.ds(j * pages_per_iter, pages_per_iter)], 0)
             blocks = jnp.where(table_idx < num_pages, blocks, 0)
-            k = k_ref[layer, blocks, :, kv_head, :].reshape(keys, head_dim)                # [P*bs, hd]
-            v = v_ref[layer, blocks, :, kv_head, :].reshape(keys, head_dim)
+            # [P*bs, hd], in q's dtype (an fp8 pool read back)
+            k = k_ref[layer, blocks, :, kv_head, :].reshape(keys, head_dim).astype(q.dtype)
+            v = v_ref[layer, blocks, :, kv_head, :].reshape(keys, head_dim).astype(q.dtype)
             s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
             key_pos = j * keys + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
             visible = key_pos <= pos[:, None]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 
 from jaxspec.decode.compiler import FAST, TUNED
 from jaxspec.decode.runner import ModelRunner
@@ -82,11 +83,12 @@ def build_parts(model, config: EngineConfig, speculative_config=None) -> EngineP
     # a draft model kept whole on each device is not split: its widths need not divide by the devices
     whole_draft = drafter is not None and drafter.whole_on_each_device
     tp = TensorParallel.create(config.tensor_parallel_size, [mc] if whole_draft else [mc, *draft_configs])
-    num_blocks = config.num_blocks(mc, -(-max_model_len // config.block_size), model.params["embed"].dtype, tp)
+    kv_dtype = jnp.dtype(config.kv_dtype(model.params["embed"].dtype))
+    num_blocks = config.num_blocks(mc, -(-max_model_len // config.block_size), kv_dtype, tp)
     K = spec.num_speculative_tokens if spec else 0
     step_config = StepConfig(block_size=config.block_size, num_blocks=num_blocks, num_slots=config.max_num_seqs,
                              max_model_len=max_model_len, num_speculative_tokens=K,
-                             logprobs_mode=config.logprobs_mode)
+                             logprobs_mode=config.logprobs_mode, kv_dtype=kv_dtype.name)
     ops = Ops.for_backend(config.block_size, config.attention, config.unroll_layers, tp, config.delta_rule,
                           config.quantization)
     warmup_mode = config.warmup_mode(gpu=jax.default_backend() == "gpu")

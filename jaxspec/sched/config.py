@@ -26,6 +26,11 @@ WARMUP_MODES = ("auto", "tiered", "full", "fast", "none")
 # per-output-channel scales, the target's and a draft model's or an EAGLE / EAGLE-3 / MTP head's.
 QUANTIZATION_SCHEMES = ("fp8",)
 
+# The KV cache's dtype (vLLM's `kv_cache_dtype` names) -> the pools' dtype: "auto" the model's; "fp8" (e4m3) or
+# "fp8_e5m2" a byte per value, stored with a per-tensor scale of 1 (values past the format's largest saturate) and read
+# back into the model's dtype by the attention. The names are those `import jax` needs not be run for.
+KV_CACHE_DTYPES = {"auto": None, "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+
 
 @dataclasses.dataclass
 class EngineConfig:
@@ -48,6 +53,7 @@ class EngineConfig:
     structured_compile_memory: float = 2.0     # GiB of memory one constraint's compile (its process) may use
     logprobs_mode: str = "raw_logprobs"   # what `logprobs` returns: "raw_logprobs" or "processed_logprobs" (vLLM's)
     quantization: str | None = None   # None (the checkpoint's dtype) or one of QUANTIZATION_SCHEMES
+    kv_cache_dtype: str = "auto"      # one of KV_CACHE_DTYPES: the KV pools' dtype
 
     def validate(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size"):
@@ -75,6 +81,9 @@ class EngineConfig:
         if self.quantization is not None and self.quantization not in QUANTIZATION_SCHEMES:
             raise ValueError(f"quantization={self.quantization!r} is not supported; choose None or "
                              f"{', '.join(map(repr, QUANTIZATION_SCHEMES))}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported; choose "
+                             f"{', '.join(map(repr, KV_CACHE_DTYPES))}")
         if self.logprobs_mode not in LOGPROBS_MODES:
             logits_mode = self.logprobs_mode in ("raw_logits", "processed_logits")
             raise ValueError(f"logprobs_mode={self.logprobs_mode!r} is invalid"
@@ -110,9 +119,13 @@ class EngineConfig:
                     "blocks would not be exact")
         return None
 
+    def kv_dtype(self, model_dtype):
+        """The KV pools' dtype: the model's (`kv_cache_dtype` "auto") or the fp8 format it names."""
+        return KV_CACHE_DTYPES[self.kv_cache_dtype] or model_dtype
+
     def num_blocks(self, model_config, max_blocks_per_seq: int, dtype, tp=None) -> int:
-        """KV blocks in the pool: `num_kv_blocks` when given; on a GPU the blocks `kv_memory_fraction` (0.5) of
-        its free memory holds, at most enough for every slot at max_model_len; elsewhere exactly that many."""
+        """KV blocks in the pool of `dtype`: `num_kv_blocks` when given; on a GPU the blocks `kv_memory_fraction`
+        (0.5) of its free memory holds, at most enough for every slot at max_model_len; elsewhere exactly that many."""
         if self.num_kv_blocks:
             return self.num_kv_blocks
         import jax

@@ -376,6 +376,7 @@ class Engine:
         block_size, max_model_len = self.step_config.block_size, self.step_config.max_model_len
         blocks = self.blocks.num_blocks
         return {"blocks": blocks, "tokens": blocks * block_size, "max_model_len": max_model_len,
+                "dtype": self.step_config.kv_dtype,
                 "bytes": blocks * block_size * self.runner.kv_bytes_per_token(),
                 "max_model_len_requests": blocks / -(-max_model_len // block_size)}
 

@@ -56,7 +56,8 @@ def build_request(args, prompts: list[list[int]], output_lens: list[int], model_
             "random_weights": args.random_weights, "dtype": "bfloat16" if args.dtype == "auto" else args.dtype,
             "speculative_config": spec, "gpu_memory_utilization": args.vllm_memory_fraction,
             "structured_outputs": structured, "tokenizer": tokenizer,
-            "quantization": getattr(args, "quantization", None)}
+            "quantization": getattr(args, "quantization", None),
+            "kv_cache_dtype": getattr(args, "kv_cache_dtype", "auto")}
 
 
 def run_vllm_baseline(request: dict, python: str = sys.executable, timeout: float | None = None) -> dict:
@@ -264,6 +265,8 @@ def engine_kwargs(r: dict, has_flashinfer: bool | None = None) -> dict:
         kwargs["load_format"] = "dummy"
     if r.get("quantization"):   # vLLM quantizes the checkpoint on load (its online FP8)
         kwargs["quantization"] = r["quantization"]
+    if r.get("kv_cache_dtype", "auto") != "auto":   # the same names in both engines
+        kwargs["kv_cache_dtype"] = r["kv_cache_dtype"]
     config = _read_config(r["model"])
     if _has_vision_config(config):
         # a vision-language checkpoint (Qwen3.5) serving token ids: no vision tower, no image-processor profiling

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from jaxspec.nn import kernels
 from jaxspec.nn.layers.base import CacheShape
 from jaxspec.nn.ops import (ForwardBatch, Ops, apply_rope, rms_norm, rope_attention_scale, rope_cos_sin,
-                            rope_inv_freq)
+                            rope_inv_freq, to_kv_dtype)
 from jaxspec.nn.schema import Spec
 
 
@@ -38,7 +38,8 @@ def mlp_params(c) -> dict[str, Spec]:
 
 
 def kv_state(c, cache: CacheShape) -> dict[str, Spec]:
-    pool = Spec((cache.num_kv_slots, c.num_kv_heads, c.head_dim), ("kv_slots", "kv_heads", "head_dim"), "zeros")
+    pool = Spec((cache.num_kv_slots, c.num_kv_heads, c.head_dim), ("kv_slots", "kv_heads", "head_dim"), "zeros",
+                cache.kv_dtype)
     return {"k": pool, "v": pool}
 
 
@@ -106,8 +107,8 @@ def layer_window(c, i):
 def write_kv(kv: dict, i, batch: ForwardBatch, k, v) -> dict:
     """The pools with this step's k/v [T, Hkv, hd] written into layer i at the batch's slot mapping (slots past
     the pool, padding, write nothing)."""
-    return {**kv, "k": kv["k"].at[i, batch.slot_mapping].set(k.astype(kv["k"].dtype), mode="drop"),
-            "v": kv["v"].at[i, batch.slot_mapping].set(v.astype(kv["v"].dtype), mode="drop")}
+    return {**kv, "k": kv["k"].at[i, batch.slot_mapping].set(to_kv_dtype(k, kv["k"].dtype), mode="drop"),
+            "v": kv["v"].at[i, batch.slot_mapping].set(to_kv_dtype(v, kv["v"].dtype), mode="drop")}
 
 
 def mlp(c, ops: Ops, lp, h):

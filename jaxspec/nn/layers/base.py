@@ -32,6 +32,7 @@ class CacheShape:
     num_kv_slots: int
     num_slots: int
     num_speculative_tokens: int = 0
+    kv_dtype: str | None = None    # the KV pools' dtype by name (None: the state's, the model's)
 
     @property
     def snapshots(self) -> int:
