@@ -6,8 +6,9 @@ is discarded (a bucket's first run).
     python3 benchmarks/end_to_end/long_prompts.py --model qwen2.5-coder-1.5b-instruct --random-weights \
         --lengths 2048 8192 32768 --max-num-batched-tokens 2048 --json out.json
 
-JAXSPEC_PREFILL_ATTENTION_FROM_TOKENS=0 runs the prefill steps on the per-token attention kernel instead of the query
-tiles (jaxspec.nn.ops.Ops.prefill_attention_from_tokens), for the before/after.
+JAXSPEC_PREFILL_ATTENTION_FROM_TOKENS=256 runs steps of 256 tokens or more on the prefill kernel's query tiles
+(jaxspec.nn.ops.Ops.prefill_attention_from_tokens; off by default until timed on a GPU), 0 on the per-token kernel:
+the before/after. --kv-cache-dtype fp8 for the fp8 KV cache.
 """
 import argparse
 import json
@@ -28,6 +29,7 @@ def main():
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--warmup", default="fast")
+    p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument("--json")
     args = p.parse_args()
 
@@ -41,7 +43,8 @@ def main():
     max_len = max(args.lengths) + args.output_len + 16
     t0 = time.perf_counter()
     llm = LLM(model, dtype=args.dtype, max_num_seqs=1, max_model_len=max_len,
-              max_num_batched_tokens=args.max_num_batched_tokens, warmup=args.warmup)
+              max_num_batched_tokens=args.max_num_batched_tokens, warmup=args.warmup,
+              kv_cache_dtype=args.kv_cache_dtype)
     llm.engine.wait_compiled()
     startup_s = time.perf_counter() - t0
     vocab = llm.model.config.vocab_size
@@ -65,7 +68,7 @@ def main():
     result = {"model": args.model, "random_weights": args.random_weights, "dtype": args.dtype,
               "max_num_batched_tokens": args.max_num_batched_tokens, "max_model_len": max_len,
               "prefill_attention_from_tokens": llm.engine.runner.ops.prefill_attention_from_tokens,
-              "startup_s": startup_s, "rows": rows}
+              "kv_cache": llm.engine.kv_cache(), "startup_s": startup_s, "rows": rows}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
