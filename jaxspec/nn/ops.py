@@ -167,18 +167,24 @@ def paged_attention_reference(q, k_pool, v_pool, layer, batch: ForwardBatch, blo
                               window: int | None = None, sinks=None):
     """Each token attends to its own row's blocks up to its position (within `window` keys of it, if given), a tile of
     REFERENCE_TILE_KEYS keys at a time with an online softmax, over the tiles the step's tokens reach (a loop of
-    dynamic length: the furthest position in the step decides it; a context of one tile is gathered whole). q [T, Hq, hd]; k/v_pool [L, S, Hkv, hd] (this
-    step's k/v already written) -> [T, Hq*hd] float32."""
-    k_cache, v_cache = k_pool[layer], v_pool[layer]
+    dynamic length: the furthest position in the step decides it; a context of one tile is gathered whole).
+    q [T, Hq, hd]; k/v_pool [L, S, Hkv, hd] (this step's k/v already written) -> [T, Hq*hd] float32."""
     T, Hq, hd = q.shape
-    Hkv = k_cache.shape[1]
+    L, S, Hkv, _ = k_pool.shape
+    # Keys are gathered from the pools viewed as [L*S, Hkv, hd], the layer's slots offset: `k_pool[layer]` of a
+    # scanned layer's traced index is a copy of that layer's pool, which made every CPU step copy the whole pool
+    # (TPOT doubled at a 4x larger max_model_len).
+    flat = k_pool.reshape(L * S, Hkv, hd), v_pool.reshape(L * S, Hkv, hd)
+
+    def gather(slots):
+        index = jnp.clip(slots, 0, S - 1) + layer * S
+        return (jnp.take(pool, index, axis=0, mode="clip").astype(q.dtype) for pool in flat)   # (fp8 read back)
     per_tile = max(1, REFERENCE_TILE_KEYS // block_size)                          # blocks per tile
     tables = batch.block_tables[batch.row_of_token]                               # [T, MB]
     scale = 1.0 / math.sqrt(hd)
     if tables.shape[1] <= per_tile:   # the whole context is one tile: gathered at once, no loop to fuse across
         slots = (tables[:, :, None] * block_size + jnp.arange(block_size)).reshape(T, -1)   # [T, C]
-        k = jnp.take(k_cache, slots, axis=0, mode="clip").astype(q.dtype)                 # [T, C, Hkv, hd]
-        v = jnp.take(v_cache, slots, axis=0, mode="clip").astype(q.dtype)   # (an fp8 pool read back)
+        k, v = gather(slots)                                                              # [T, C, Hkv, hd]
         mask = in_window(jnp.arange(slots.shape[1])[None, :], batch.positions[:, None], window)
         return _attend(q.reshape(T, Hkv, Hq // Hkv, hd), k, v, mask, scale, sinks)
     num_tiles = -(-tables.shape[1] // per_tile)
@@ -194,8 +200,7 @@ def paged_attention_reference(q, k_pool, v_pool, layer, batch: ForwardBatch, blo
         o, m, l = carry
         blocks = jax.lax.dynamic_slice_in_dim(tables, i * per_tile, per_tile, axis=1)           # [T, per_tile]
         slots = (blocks[:, :, None] * block_size + jnp.arange(block_size)).reshape(T, keys)
-        k = jnp.take(k_cache, slots, axis=0, mode="clip").astype(q.dtype)                     # [T, keys, Hkv, hd]
-        v = jnp.take(v_cache, slots, axis=0, mode="clip").astype(q.dtype)
+        k, v = gather(slots)                                                                  # [T, keys, Hkv, hd]
         s = jnp.einsum("tkgd,tckd->tkgc", qg, k, preferred_element_type=jnp.float32) * scale
         visible = in_window(i * keys + jnp.arange(keys)[None, :], positions, window)          # [T, keys]
         m_new = jnp.maximum(m, jnp.max(jnp.where(visible[:, None, None], s, -1e30), axis=-1))
