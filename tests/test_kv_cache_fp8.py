@@ -73,3 +73,33 @@ def test_an_unknown_kv_cache_dtype_is_refused_by_name():
     from jaxspec.sched.config import EngineConfig
     with pytest.raises(ValueError, match=r"kv_cache_dtype='int8' is not supported; choose 'auto', 'fp8'"):
         EngineConfig(kv_cache_dtype="int8").validate()
+
+
+def test_an_fp8_pool_on_a_gpu_stays_clear_of_the_kernels_index_wrap(monkeypatch):
+    """Between 2^31 and 2^32 one-byte elements the Triton kernels' 32-bit offsets wrap: a pool sized from free memory
+    is cut below 2^31, one asked for by num_kv_blocks is refused naming the counts that work; bf16 pools and pools
+    past 2^32 bytes are left as they are."""
+    import jax
+
+    from jaxspec.models.config import ModelConfig
+    from jaxspec.sched.config import EngineConfig
+
+    class GPU:
+        platform = "gpu"
+
+        def memory_stats(self):
+            return {"bytes_limit": 80 * 2**30, "bytes_in_use": 0}
+
+    monkeypatch.setattr(jax, "devices", lambda *a: [GPU()])
+    mc = ModelConfig(arch="qwen2", vocab_size=64, hidden_size=1536, intermediate_size=64, num_layers=28,
+                     num_heads=12, num_kv_heads=2, head_dim=128)
+    per_block = 28 * 16 * 2 * 128                              # one pool's elements per block
+    config = EngineConfig(max_num_seqs=64, kv_memory_fraction=0.06)  # 4.8 GiB for k and v: 2.4 GiB each
+    assert int(0.06 * 80 * 2**30) // (2 * per_block) * per_block > 2**31
+    assert config.num_blocks(mc, 10**6, FP8) == (2**31 - 1) // per_block
+    assert config.num_blocks(mc, 10**6, jnp.bfloat16) == int(0.06 * 80 * 2**30) // (2 * per_block * 2)
+    assert EngineConfig(max_num_seqs=64, kv_memory_fraction=0.2).num_blocks(mc, 10**6, FP8) * per_block >= 2**32
+    with pytest.raises(ValueError, match=r"num_kv_blocks=20000 makes each fp8 KV pool .* give at most 18724 or at "
+                                         r"least 37450"):
+        EngineConfig(num_kv_blocks=20000).num_blocks(mc, 100, FP8)
+    assert EngineConfig(num_kv_blocks=20000).num_blocks(mc, 100, jnp.bfloat16) == 20000

@@ -32,6 +32,12 @@ QUANTIZATION_SCHEMES = ("fp8",)
 KV_CACHE_DTYPES = {"auto": None, "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 
 
+# Pallas's Triton lowering offsets an array under 2^32 bytes with signed 32-bit element indices, which wrap for a
+# one-byte array of 2^31 elements or more (jaxspec.pallas.gemv reads such weights as uint16 pairs): an fp8 KV pool on a
+# GPU is kept below the first bound or at the second.
+ONE_BYTE_POOL_WRAP = (2 ** 31, 2 ** 32)
+
+
 @dataclasses.dataclass
 class EngineConfig:
     max_num_seqs: int = 16
@@ -125,20 +131,33 @@ class EngineConfig:
 
     def num_blocks(self, model_config, max_blocks_per_seq: int, dtype, tp=None) -> int:
         """KV blocks in the pool of `dtype`: `num_kv_blocks` when given; on a GPU the blocks `kv_memory_fraction`
-        (0.5) of its free memory holds, at most enough for every slot at max_model_len; elsewhere exactly that many."""
-        if self.num_kv_blocks:
-            return self.num_kv_blocks
+        (0.5) of its free memory holds, at most enough for every slot at max_model_len; elsewhere exactly that many.
+        On a GPU a one-byte (fp8) pool stays out of ONE_BYTE_POOL_WRAP."""
         import jax
         import jax.numpy as jnp
 
-        enough = self.max_num_seqs * max_blocks_per_seq
         device = jax.devices()[0]
         stats = device.memory_stats() if device.platform == "gpu" else None
-        if not stats:
-            return enough
         mc = model_config
-        per_block = 2 * mc.num_layers * self.block_size * mc.num_kv_heads * mc.head_dim * jnp.dtype(dtype).itemsize
+        # one pool's (k's or v's) elements per block, on the device that holds the most of it
+        per_block = mc.num_layers * self.block_size * mc.num_kv_heads * mc.head_dim
         if tp is not None and tp.shard_attention:
             per_block //= tp.size   # each device holds its KV heads' share of a block
+        one_byte = stats is not None and jnp.dtype(dtype).itemsize == 1
+        low, high = ONE_BYTE_POOL_WRAP
+        if self.num_kv_blocks:
+            if one_byte and low <= self.num_kv_blocks * per_block < high:
+                raise ValueError(f"num_kv_blocks={self.num_kv_blocks} makes each fp8 KV pool "
+                                 f"{self.num_kv_blocks * per_block:,} elements, which the GPU kernels cannot index "
+                                 f"(2^31 to 2^32 one-byte elements); give at most {(low - 1) // per_block} or at "
+                                 f"least {-(-high // per_block)}")
+            return self.num_kv_blocks
+        enough = self.max_num_seqs * max_blocks_per_seq
+        if not stats:
+            return enough
         free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
-        return max(1, min(enough, int(free * (self.kv_memory_fraction or 0.5) // per_block)))
+        per_block_bytes = 2 * per_block * jnp.dtype(dtype).itemsize     # k and v
+        blocks = max(1, min(enough, int(free * (self.kv_memory_fraction or 0.5) // per_block_bytes)))
+        if one_byte and low <= blocks * per_block < high:
+            blocks = (low - 1) // per_block
+        return blocks
