@@ -44,6 +44,10 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     # The output must match a JSON schema, a regex or one of some choices (applied on the device, each step).
     structured_outputs: StructuredOutputsParams | None = None
+    # jaxspec's own (vLLM has no such field). False: this request verifies no drafts (plain decoding) while other
+    # requests of the same engine speculate; its tokens are plain decoding's, seeds included. Changes nothing on an
+    # engine without speculation.
+    speculative: bool = True
 
     def __post_init__(self):
         self.structured_outputs = StructuredOutputsParams.coerce(self.structured_outputs)
@@ -103,7 +107,7 @@ class SamplingParams:
         if self.prompt_logprobs is not None:
             integer("prompt_logprobs", 0, MAX_LOGPROBS)
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
-                     "spaces_between_special_tokens"):
+                     "spaces_between_special_tokens", "speculative"):
             if not isinstance(getattr(self, name), bool):
                 bad(name, "it must be a bool")
         if self.logit_bias is not None:

@@ -6,8 +6,9 @@ next step, the one that maximises expected tokens per second.
     rate(k) = rows(k) * E(k) / t(k, T_k)
     t(k, T) = t0(k, T) + c(k, T) * rows(k) * (1+k) * L
 
-rows(k) is how many of the B decoding rows fit the token budget at 1+k tokens each beside the step's prefill
-tokens P (the next step's are not known when its drafts are proposed: this step's stand for them), T_k the token
+rows(k) is how many of the B decoding rows fit the token budget at 1+k tokens each beside the step's tokens P
+whose number k does not change (prefill tokens: the next step's are not known when its drafts are proposed, this
+step's stand for them; and one token per decoding row of a request that does not speculate), T_k the token
 bucket of the step's rows(k) * (1+k) + P tokens and t(k, T) the device time of the step compiled for draft width
 k at bucket T, with L the decoding rows' mean context. Once the programs are compiled, the engine times each
 (jaxspec.sched.pricing): t0 on blank steps (`calibrated`), c, each query token's attention per context token, on
@@ -164,10 +165,11 @@ class KChooser:
                 "context": self.context, "acceptance": self.acceptance().tolist()}
 
     # ---- the choice ----------------------------------------------------------------------------------
-    def choose(self, step: int, num_rows: int, prefill_tokens: int = 0, context: float = 0.0) -> int:
-        """k for the drafts step `step` proposes (the next step of its `num_rows` decoding rows verifies them),
-        priced as if that step also carries `prefill_tokens` of prefill chunks (this step's), which take their
-        share of the token budget and of the step's bucket, and its decoding rows read `context` tokens each."""
+    def choose(self, step: int, num_rows: int, fixed_tokens: int = 0, context: float = 0.0) -> int:
+        """k for the drafts step `step` proposes (the next step of its `num_rows` drafting rows verifies them),
+        priced as if that step also carries `fixed_tokens` whose number k does not change (this step's prefill
+        chunks, the rows that do not speculate), which take their share of the token budget and of the step's
+        bucket, and its drafting rows read `context` tokens each."""
         self._fold(step - 2)
         if self._explore is not None:
             k, T, last, until_measured = self._explore
@@ -179,12 +181,12 @@ class KChooser:
         rates, unmeasured, shape = {}, [], []
         compiled = self.compiled
         budget = self.max_num_batched_tokens if compiled is None else compiled.token_budget()
-        prefill_tokens = max(0, min(prefill_tokens, budget - num_rows))   # decode rows are planned first
+        fixed_tokens = max(0, min(fixed_tokens, budget - num_rows))   # decode rows are planned first
         for k in range(self.K + 1):
-            rows = min(num_rows, (budget - prefill_tokens) // (1 + k))
+            rows = min(num_rows, (budget - fixed_tokens) // (1 + k))
             if rows == 0:
                 continue
-            T = self.bucket_for(rows * (1 + k) + prefill_tokens)
+            T = self.bucket_for(rows * (1 + k) + fixed_tokens)
             if compiled is not None and not compiled.ready(k, T):
                 continue
             t = self.step_time(k, T, rows * (1 + k), context)

@@ -128,6 +128,8 @@ class Engine:
                 continue
             for req in value:
                 self.scheduler.add(req)
+                if not req.params.speculative:
+                    self.counts.count_opted_out_request()
                 if req.grammar is not None:
                     self.grammar_tables.acquire(req.grammar)
             self.intake.register(value)
@@ -257,7 +259,9 @@ class Engine:
                 self.counts.count_drafts(req, row.num_drafts, n_acc)
             if row.sample:
                 token_lp = row_logprobs(lp, r, n_acc + 1, req.params.logprobs) if lp is not None else None
-                confirm_tokens(req, row_tokens[:n_acc + 1], self.step_config.max_model_len, token_lp, now)
+                confirmed = confirm_tokens(req, row_tokens[:n_acc + 1], self.step_config.max_model_len, token_lp, now)
+                if not req.params.speculative:
+                    self.counts.count_opted_out_tokens(len(confirmed))
                 sampled.append(req)
         render_texts(sampled, self.tokenizer)
         updated = []

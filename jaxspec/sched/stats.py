@@ -11,7 +11,8 @@ class EngineCounts:
         self.counters = {"steps": 0, "scheduled_rows": 0, "padded_tokens": 0, "scheduled_tokens": 0}
         k = num_speculative_tokens
         self.spec = {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0,
-                     "accepted_per_position": np.zeros(max(k, 1), np.int64), "chosen_k": np.zeros(k + 1, np.int64)}
+                     "accepted_per_position": np.zeros(max(k, 1), np.int64), "chosen_k": np.zeros(k + 1, np.int64),
+                     "opted_out_requests": 0, "opted_out_tokens": 0}
 
     @property
     def steps(self) -> int:
@@ -33,6 +34,14 @@ class EngineCounts:
         s["draft_tokens"] += num_drafts
         s["accepted_tokens"] += num_accepted
         s["accepted_per_position"][:num_accepted] += 1
+
+    def count_opted_out_request(self):
+        """A request that does not speculate (SamplingParams.speculative false) entered the engine."""
+        self.spec["opted_out_requests"] += 1
+
+    def count_opted_out_tokens(self, num_tokens: int):
+        """A row of a request that does not speculate confirmed `num_tokens` tokens (drafting none)."""
+        self.spec["opted_out_tokens"] += num_tokens
 
     def count_proposal(self, k: int):
         """A step read with live sampling rows proposed k drafts each (counted as read: async counts as sync)."""
@@ -76,6 +85,8 @@ class EngineCounts:
                 "per_position_acceptance": (s["accepted_per_position"] / drafts).tolist() if drafts else [0.0] * k,
                 "adaptive": self.adaptive,
                 "chosen_k": s["chosen_k"].tolist(),   # steps that proposed k drafts, k = 0..K
+                # requests with SamplingParams.speculative false, and the tokens they generated without drafts
+                "opted_out_requests": s["opted_out_requests"], "opted_out_tokens": s["opted_out_tokens"],
             }
         return out
 

@@ -128,21 +128,26 @@ class StepBuilder:
 
     def _draft_width(self, rows: list[ScheduledRow], index: int, T: int) -> tuple[int, int]:
         """-> (the step's draft width, the k it proposes for its sampling rows). k is K, or the chooser's pick
-        under adaptive speculation; each row's next decode step verifies that many. The width is at least k
-        and every row's drafts to verify (a step that lowers k still verifies the drafts proposed before it)."""
+        under adaptive speculation; each row's next decode step verifies that many, except the rows of requests
+        that do not speculate (SamplingParams.speculative false): theirs verify none (the drafter still proposes
+        for every row of the step; their drafts are never scheduled). The width is at least k and every row's
+        drafts to verify (a step that lowers k still verifies the drafts proposed before it)."""
         K = self.step_config.num_speculative_tokens
-        sampling = [row for row in rows if row.sample]
         if not K:
             return 0, 0
-        k = K
-        if sampling and self.k_chooser is not None:
-            context = sum(row.request.num_computed for row in sampling) / len(sampling)   # tokens each row reads
-            k = self.k_chooser.choose(index, len(sampling), sum(row.num_new for row in rows if not row.sample), context)
+        sampling = [row for row in rows if row.sample]
+        drafting = [row for row in sampling if row.request.params.speculative]
+        k = K if drafting else 0
+        if drafting and self.k_chooser is not None:
+            context = sum(row.request.num_computed for row in drafting) / len(drafting)   # tokens each row reads
+            # tokens whatever k is: prefill chunks, and the next step's single token of each row that does not draft
+            fixed_tokens = sum(row.num_new for row in rows if not row.sample) + len(sampling) - len(drafting)
+            k = self.k_chooser.choose(index, len(drafting), fixed_tokens, context)
         for row in sampling:
-            row.request.num_proposed = k
+            row.request.num_proposed = k if row.request.params.speculative else 0
         if self.k_chooser is None:
             return K, k
-        width = max([k if sampling else 0] + [row.num_drafts for row in rows])
+        width = max([k] + [row.num_drafts for row in rows])
         ready = self.runner.compiled.ready
         if not ready(width, T):
             # programs still compile in the background: a step that proposes nothing of its own width (a prefill

@@ -139,6 +139,7 @@ class _Sampling(_Body):
     guided_whitespace_pattern: str | None = None
     return_token_ids: bool | None = None             # the response carries prompt_token_ids and token_ids
     return_tokens_as_token_ids: bool | None = None   # logprobs name tokens "token_id:<id>"
+    speculative: bool = True   # false: the request verifies no drafts (SamplingParams.speculative; jaxspec's own)
 
     @model_validator(mode="after")
     def _stream_only_options(self):
@@ -219,6 +220,7 @@ class _Sampling(_Body):
                               skip_special_tokens=(self.skip_special_tokens if skip_special_tokens is None
                                                    else skip_special_tokens),
                               spaces_between_special_tokens=self.spaces_between_special_tokens,
+                              speculative=self.speculative,
                               structured_outputs=structured if structured is not None else self.structured(), **given)
 
 
