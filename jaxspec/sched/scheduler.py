@@ -124,6 +124,10 @@ class Scheduler:
         if room < 0:
             return None
         num_drafts = min(req.num_proposed, room)   # what its last sampling step proposed (k, or a chosen one)
+        if num_drafts < req.num_proposed and req.in_flight:
+            # Near max_model_len the drafts are cut to the room left, and while a step is in flight the count assumes
+            # all its drafts accepted: wait one step for the true count, so the cut is the one a sync run makes.
+            return None
         if 1 + num_drafts > budget:
             return None
         return ScheduledRow(req, 1 + num_drafts, num_drafts, -1, (), sample=True)
