@@ -1,9 +1,10 @@
-"""What the Pallas kernels share: block sizes rounded to powers of two, whether a kernel is interpreted, and the online
-softmax's update."""
+"""What the Pallas kernels share: block sizes rounded to powers of two, whether a kernel is interpreted, the online
+softmax's update and a row's group of KV pages."""
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 
 
 def next_pow2(x: int) -> int:
@@ -23,3 +24,14 @@ def softmax_update(m, l, s):
     correction = jnp.exp(m - m_new)
     p = jnp.exp(s - m_new[:, None])
     return m_new, correction, p, l * correction + jnp.sum(p, axis=1)
+
+
+def page_group(tables_ref, k_ref, v_ref, layer, row, kv_head, j, pages_per_iter: int, num_pages, dtype):
+    """Iteration j's keys and values of a row: its pages j*P .. j*P+P-1 (P = pages_per_iter; past the row's
+    `num_pages`, page 0 stands in, for the caller to mask) of one kv head from pools viewed as [L, blocks,
+    block_size, Hkv, hd] -> k, v [P*block_size, hd] in `dtype` (a one-byte pool read back)."""
+    table_idx = j * pages_per_iter + jax.lax.broadcasted_iota(jnp.int32, (pages_per_iter,), 0)
+    blocks = jnp.maximum(tables_ref[row, pl.ds(j * pages_per_iter, pages_per_iter)], 0)
+    blocks = jnp.where(table_idx < num_pages, blocks, 0)
+    keys, hd = pages_per_iter * k_ref.shape[2], k_ref.shape[-1]
+    return tuple(ref[layer, blocks, :, kv_head, :].reshape(keys, hd).astype(dtype) for ref in (k_ref, v_ref))

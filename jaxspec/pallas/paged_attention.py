@@ -21,7 +21,7 @@ from jax.experimental import pallas as pl
 
 from jax.experimental.pallas import triton as plgpu
 
-from jaxspec.pallas.common import interpreted, next_pow2, softmax_update
+from jaxspec.pallas.common import interpreted, next_pow2, page_group, softmax_update
 
 _MIN_ROWS = 16  # the matrix unit's smallest tile
 PAGES_PER_ITER = 4  # pages each loop iteration loads at once (4 x 16 keys)
@@ -56,12 +56,7 @@ def _kernel(layer_ref, window_ref, pos_ref, row_ref, tables_ref, sinks_ref, q_re
 
     def pages(j, carry):  # `pages_per_iter` pages (their loads in flight together) per iteration
         o, m, l = carry
-        table_idx = j * pages_per_iter + jax.lax.broadcasted_iota(jnp.int32, (pages_per_iter,), 0)
-        blocks = jnp.maximum(tables_ref[row, pl.ds(j * pages_per_iter, pages_per_iter)], 0)
-        blocks = jnp.where(table_idx < num_pages, blocks, 0)
-        # [P*bs, hd], in q's dtype (an fp8 pool read back)
-        k = k_ref[layer, blocks, :, h, :].reshape(keys, hd).astype(q.dtype)
-        v = v_ref[layer, blocks, :, h, :].reshape(keys, hd).astype(q.dtype)
+        k, v = page_group(tables_ref, k_ref, v_ref, layer, row, h, j, pages_per_iter, num_pages, q.dtype)
         s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
                                 preferred_element_type=jnp.float32) * scale     # [G16, P*bs]
         key_pos = j * keys + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
