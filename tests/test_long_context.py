@@ -78,13 +78,17 @@ def test_a_long_prompt_in_chunks_decodes_as_transformers_from_a_cached_prefix(lo
         np.testing.assert_allclose(logprobs, ref[np.arange(16), tokens], atol=2e-5)
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
-def test_speculation_over_a_long_context_is_lossless(long_model, prompts, plain_outputs, method):
-    """n-gram lookup and a draft model over the same prompts: plain decoding's tokens and logprobs."""
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle3"])
+def test_speculation_over_a_long_context_is_lossless(long_model, prompts, plain_outputs, method, tmp_path):
+    """n-gram lookup, a draft model and an EAGLE-3 head (random, its config's max_position_embeddings 2,048: drafting
+    at positions past it) over the same prompts: plain decoding's tokens and logprobs."""
     model, _ = long_model
     spec = {"method": method, "num_speculative_tokens": 3}
     if method == "draft_model":
         spec["model"] = perturbed(model, 0.05, seed=9)
+    if method == "eagle3":
+        from eagle_heads import write_eagle3_head
+        spec["model"] = str(write_eagle3_head(tmp_path / "eagle3", model.config, seed=3))
     llm = LLM(model, **ENGINE, speculative_config=spec)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, logprobs=1, ignore_eos=True),
                         use_tqdm=False)
