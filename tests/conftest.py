@@ -49,6 +49,8 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 
 import pytest  # noqa: E402
 
+from random_drafts import perturbed  # noqa: E402,F401  (the tests import it from here)
+
 
 def _dequantize_with_optimisation():
     """Real models' GGUF tensors are dequantized by small jitted programs (jaxspec.models.dequant) that run once
@@ -161,18 +163,6 @@ def hf_greedy(hf, prompt, n) -> list[int]:
         out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, num_beams=1,
                           pad_token_id=0, eos_token_id=None)
     return out[0, len(prompt):].tolist()
-
-
-def perturbed(model, noise: float, seed: int):
-    """The same model with every weight matrix moved by `noise` times its own scale: a draft that agrees often."""
-    import dataclasses
-
-    import jax
-    leaves, tree = jax.tree_util.tree_flatten(model.params)
-    keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
-    moved = [x + noise * jax.numpy.std(x) * jax.random.normal(key, x.shape, x.dtype) if x.ndim > 1 else x
-             for x, key in zip(leaves, keys)]
-    return dataclasses.replace(model, params=jax.tree_util.tree_unflatten(tree, moved), name=model.name + "-draft")
 
 
 def randomize_(model, seed: int):

@@ -6,7 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec.nn.ops import paged_attention_reference, to_kv_dtype
+from jaxspec.nn.ops import paged_attention_reference
+from jaxspec.pallas.common import to_kv_dtype
 from jaxspec.pallas.paged_attention import paged_attention
 from jaxspec.pallas.prefill_attention import prefill_attention
 from test_paged_attention import _fused_case

@@ -18,16 +18,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests"))
 
 
-def moved(model, noise: float, seed: int):
-    """The model with every weight matrix moved by `noise` times its own scale: a draft model that agrees often."""
-    import jax
-    leaves, tree = jax.tree_util.tree_flatten(model.params)
-    keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
-    leaves = [x + noise * jax.numpy.std(x) * jax.random.normal(k, x.shape, x.dtype) if x.ndim > 1 else x
-              for x, k in zip(leaves, keys)]
-    return dataclasses.replace(model, params=jax.tree_util.tree_unflatten(tree, leaves), name=model.name + "-draft")
-
-
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--lengths", type=int, nargs="+", default=[1000, 33000])
@@ -37,9 +27,11 @@ def main():
     p.add_argument("--json")
     args = p.parse_args()
 
+    import jax
     import numpy as np
 
     from eagle_heads import write_eagle3_head
+    from random_drafts import perturbed
     from jaxspec import LLM, SamplingParams
     from jaxspec.models.config import ModelConfig
     from jaxspec.models.random import random_model
@@ -49,7 +41,7 @@ def main():
                          rope_theta=500000.0)
     # weights of O(1) gain, so that the logits are far from uniform and a moved draft agrees often
     model = random_model(config, dtype="float32", seed=0)
-    model = dataclasses.replace(model, params=__import__("jax").tree_util.tree_map(
+    model = dataclasses.replace(model, params=jax.tree_util.tree_map(
         lambda x: x * (8.0 if x.ndim > 1 else 1.0), model.params))
     rng = np.random.default_rng(0)
     prompts = {n: rng.integers(0, config.vocab_size, n).tolist() for n in args.lengths}
@@ -57,7 +49,7 @@ def main():
     engine = dict(dtype="float32", max_num_seqs=1, max_model_len=max_len,
                   max_num_batched_tokens=args.max_num_batched_tokens, warmup=False)
     head_dir = tempfile.mkdtemp()
-    drafts = {"ngram": None, "draft_model": moved(model, 0.01, 9),
+    drafts = {"ngram": None, "draft_model": perturbed(model, 0.01, 9),
               "eagle3": str(write_eagle3_head(os.path.join(head_dir, "eagle3"), config, seed=3))}
     plain_llm = LLM(model, **engine)
     plain = {}

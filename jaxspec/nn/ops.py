@@ -123,16 +123,6 @@ def apply_rope(x, positions, inv_freq, scale: float = 1.0):
     return (x32 * cos + rotated * sin).astype(x.dtype)
 
 
-def to_kv_dtype(x, dtype):
-    """x as the KV pool of `dtype` stores it: a one-byte float pool (an fp8 KV cache, per-tensor scale 1) saturates at
-    its largest finite value, where a plain cast past it gives NaN."""
-    dtype = jnp.dtype(dtype)
-    if dtype.itemsize == 1 and jnp.issubdtype(dtype, jnp.floating):
-        largest = float(jnp.finfo(dtype).max)
-        x = jnp.clip(x.astype(jnp.float32), -largest, largest)
-    return x.astype(dtype)
-
-
 def _attend(q, k, v, mask, scale, sinks=None):
     """q [T, Hkv, G, hd]; k/v [T, C, Hkv, hd] (per-token context) or [C, Hkv, hd] (shared); mask [T, C]; sinks
     [Hkv*G] f32 or None: a learned logit per query head that joins the softmax's sum and attends to nothing

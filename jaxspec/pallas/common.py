@@ -1,5 +1,5 @@
 """What the Pallas kernels share: block sizes rounded to powers of two, whether a kernel is interpreted, the online
-softmax's update and a row's group of KV pages."""
+softmax's update, a row's group of KV pages and a value as a KV pool stores it."""
 from __future__ import annotations
 
 import jax
@@ -35,3 +35,13 @@ def page_group(tables_ref, k_ref, v_ref, layer, row, kv_head, j, pages_per_iter:
     blocks = jnp.where(table_idx < num_pages, blocks, 0)
     keys, hd = pages_per_iter * k_ref.shape[2], k_ref.shape[-1]
     return tuple(ref[layer, blocks, :, kv_head, :].reshape(keys, hd).astype(dtype) for ref in (k_ref, v_ref))
+
+
+def to_kv_dtype(x, dtype):
+    """x as a KV pool of `dtype` stores it: a one-byte float pool (an fp8 KV cache, per-tensor scale 1) saturates at
+    its largest finite value, where a plain cast past it gives NaN."""
+    dtype = jnp.dtype(dtype)
+    if dtype.itemsize == 1 and jnp.issubdtype(dtype, jnp.floating):
+        largest = float(jnp.finfo(dtype).max)
+        x = jnp.clip(x.astype(jnp.float32), -largest, largest)
+    return x.astype(dtype)

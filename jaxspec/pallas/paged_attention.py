@@ -21,7 +21,7 @@ from jax.experimental import pallas as pl
 
 from jax.experimental.pallas import triton as plgpu
 
-from jaxspec.pallas.common import interpreted, next_pow2, page_group, softmax_update
+from jaxspec.pallas.common import interpreted, next_pow2, page_group, softmax_update, to_kv_dtype
 
 _MIN_ROWS = 16  # the matrix unit's smallest tile
 PAGES_PER_ITER = 4  # pages each loop iteration loads at once (4 x 16 keys)
@@ -271,7 +271,7 @@ def _fused_kernel(layer_ref, wlayer_ref, window_ref, pos_ref, slot_ref, first_re
         dst = (layer, slot // block_size, pl.ds(slot % block_size, 1), h)
         for ref, x in ((k_out_ref, k), (v_out_ref, v)):
             for part, xi in zip(halves, x):
-                plgpu.store(ref.at[(*dst, part)], _to_pool(xi, ref.dtype))
+                plgpu.store(ref.at[(*dst, part)], to_kv_dtype(xi, ref.dtype))
 
     def attend(carry, k, v, visible):
         """One online-softmax update: keys k and values v as halves [n, hd/2], `visible` [q_rows, n]."""
@@ -307,7 +307,7 @@ def _fused_kernel(layer_ref, wlayer_ref, window_ref, pos_ref, slot_ref, first_re
         k = rotate(with_bias(load(qkv_ref, (rows, k_row), mine), pl.ds(k_row, 1)), k_norm_ref, cos, sin)
         v = with_bias(load(qkv_ref, (rows, v_row), mine), pl.ds(v_row, 1))
         if jnp.dtype(k_ref.dtype).itemsize == 1:   # an fp8 pool: the keys as later steps will read them back
-            k, v = (tuple(_to_pool(xi, k_ref.dtype) for xi in x) for x in (k, v))
+            k, v = (tuple(to_kv_dtype(xi, k_ref.dtype) for xi in x) for x in (k, v))
         key_row = start + jax.lax.broadcasted_iota(jnp.int32, (q_rows, chunk), 1)   # at position pos - (t - row)
         visible = key_row <= t if window is None else (key_row <= t) & (key_row > t - window)
         return attend(carry, k, v, visible)
@@ -335,15 +335,6 @@ def _fused_kernel(layer_ref, wlayer_ref, window_ref, pos_ref, slot_ref, first_re
         rows_in_group = jax.lax.broadcasted_iota(jnp.int32, (q_rows,), 0) < G
         plgpu.store(m_ref.at[t, split, pl.ds(h * G, q_rows)], m, mask=rows_in_group)
         plgpu.store(l_ref.at[t, split, pl.ds(h * G, q_rows)], l, mask=rows_in_group)
-
-
-def _to_pool(x, dtype):
-    """x as the pool of `dtype` stores it: a one-byte float pool (an fp8 KV cache) saturates at its largest finite
-    value, as jaxspec.nn.ops.to_kv_dtype (this package imports only JAX)."""
-    if jnp.dtype(dtype).itemsize == 1:
-        largest = float(jnp.finfo(dtype).max)
-        x = jnp.clip(x.astype(jnp.float32), -largest, largest)
-    return x.astype(dtype)
 
 
 def fused_splits(num_tokens: int) -> int:

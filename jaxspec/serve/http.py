@@ -47,7 +47,7 @@ def install(app, server, options: HTTPOptions):
 
 
 async def send_error(send, status: int, message: str, type_: str):
-    """An OpenAI-style error body (see app.error_response) straight from ASGI."""
+    """An OpenAI-style error body (see errors.error_response) straight from ASGI."""
     body = json.dumps({"error": {"message": message, "type": type_, "param": None, "code": status}}).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})

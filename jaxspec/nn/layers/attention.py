@@ -8,8 +8,9 @@ import jax.numpy as jnp
 from jaxspec.nn import kernels
 from jaxspec.nn.layers.base import CacheShape
 from jaxspec.nn.ops import (ForwardBatch, Ops, apply_rope, rms_norm, rope_attention_scale, rope_cos_sin,
-                            rope_inv_freq, to_kv_dtype)
+                            rope_inv_freq)
 from jaxspec.nn.schema import Spec
+from jaxspec.pallas.common import to_kv_dtype
 
 
 def attention_params(c, in_dim: int | None = None) -> dict[str, Spec]:
