@@ -1,14 +1,20 @@
-"""Long prompts, one request at a time: time to first token and the decode step over the prompt's context, per
-prompt length. The engine is built once (warm-up `--warmup`, then every bucket compiled before timing), and each
-length runs `--repeats` requests of fresh random token ids (no prefix-cache hit); the first request of each length
-is discarded (a bucket's first run).
+"""Long prompts: time to first token, prompt throughput and the decode step over the prompt's context, for runs of
+C requests of N prompt tokens sent at once (`--runs 1x2048 1x8192 1x32768 8x8192 32x8192`). The engine is built once
+(warm-up `--warmup`, then every bucket compiled before timing); every prompt is fresh random token ids (no
+prefix-cache hit). Before each timed run a discarded one warms its shapes: the same run for one request, C requests
+of 256 tokens for a batch (so that a warm-up never prefills another 262,144 tokens).
+
+Per run: TTFT (median and max over its requests; one request: its TTFT), prompt throughput = C x N / the last
+request's TTFT (all arrive together, so that is when the last prefill finished, decode steps of the early ones
+interleaved as a server would run them), and the median per-request TPOT of `--output-len` tokens over that context.
+`benchmarks/end_to_end/vllm_long_prompts.py` runs the same prompts through vLLM and reports the same keys.
 
     python3 benchmarks/end_to_end/long_prompts.py --model qwen2.5-coder-1.5b-instruct --random-weights \
-        --lengths 2048 8192 32768 --max-num-batched-tokens 2048 --json out.json
+        --runs 1x2048 1x8192 1x32768 8x8192 --max-num-batched-tokens 2048 --json out.json
 
 JAXSPEC_PREFILL_ATTENTION_FROM_TOKENS=256 runs steps of 256 tokens or more on the prefill kernel's query tiles
-(jaxspec.nn.ops.Ops.prefill_attention_from_tokens; off by default until timed on a GPU), 0 on the per-token kernel:
-the before/after. --kv-cache-dtype fp8 for the fp8 KV cache.
+(jaxspec.nn.ops.Ops.prefill_attention_from_tokens), 0 on the per-token kernel: the before/after.
+--kv-cache-dtype fp8 for the fp8 KV cache.
 """
 import argparse
 import json
@@ -18,19 +24,62 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
+WARM_BATCH_TOKENS = 256
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+def parse_run(text: str) -> tuple[int, int]:
+    """'8x8192' -> (8 requests, 8192 prompt tokens); '2048' -> (1, 2048)."""
+    c, _, n = text.rpartition("x")
+    try:
+        return int(c or 1), int(n)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"run {text!r}: expected REQUESTSxTOKENS such as 8x8192, or TOKENS")
+
+
+def common_args(description: str) -> argparse.ArgumentParser:
+    """The flags both engines' scripts take, so that one command line runs the same workload through either."""
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
     p.add_argument("--random-weights", action="store_true")
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192, 32768])
+    p.add_argument("--runs", type=parse_run, nargs="+", default=[(1, 2048), (1, 8192), (1, 32768)],
+                   help="REQUESTSxPROMPT_TOKENS per run (a bare number is one request)")
     p.add_argument("--output-len", type=int, default=32, help="decoded tokens per request (the TPOT over the context)")
-    p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--warmup", default="fast")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="the step's token budget (default: the engine's own)")
     p.add_argument("--kv-cache-dtype", default="auto")
+    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json")
+    return p
+
+
+def warm_run(count: int, tokens: int) -> tuple[int, int]:
+    """The discarded run before a timed one: the same for one request, else `count` short prompts."""
+    return (1, tokens) if count == 1 else (count, min(tokens, WARM_BATCH_TOKENS))
+
+
+def max_model_len(args) -> int:
+    return max(n for _, n in args.runs) + args.output_len + 16
+
+
+def prompts_for(rng, vocab: int, count: int, tokens: int) -> list[dict]:
+    return [{"prompt_token_ids": rng.integers(10, vocab - 10, tokens).tolist()} for _ in range(count)]
+
+
+def summarise(count: int, tokens: int, ttfts: list[float], tpots: list[float], token_ids) -> dict:
+    import numpy as np
+    last = max(ttfts)
+    row = {"requests": count, "prompt_tokens": tokens, "ttft_s": float(np.median(ttfts)), "ttft_max_s": last,
+           "prompt_tokens_per_s": count * tokens / last,
+           "tpot_ms": 1e3 * float(np.median(tpots)) if tpots else float("nan"), "token_ids": token_ids}
+    print(f"{count:>3} x {tokens:>6} tokens: TTFT {row['ttft_s']:.3f} s (last {last:.3f} s, "
+          f"{row['prompt_tokens_per_s']:.0f} prompt tok/s), TPOT {row['tpot_ms']:.2f} ms", flush=True)
+    return row
+
+
+def main():
+    p = common_args(__doc__)
+    p.add_argument("--warmup", default="fast")
     args = p.parse_args()
 
     import numpy as np
@@ -40,33 +89,25 @@ def main():
     if args.random_weights:
         from jaxspec.models.random import random_model
         model = random_model(args.model, dtype=args.dtype, seed=0)
-    max_len = max(args.lengths) + args.output_len + 16
+    budget = {} if args.max_num_batched_tokens is None else {"max_num_batched_tokens": args.max_num_batched_tokens}
     t0 = time.perf_counter()
-    llm = LLM(model, dtype=args.dtype, max_num_seqs=1, max_model_len=max_len,
-              max_num_batched_tokens=args.max_num_batched_tokens, warmup=args.warmup,
-              kv_cache_dtype=args.kv_cache_dtype)
+    llm = LLM(model, dtype=args.dtype, max_num_seqs=max(c for c, _ in args.runs), max_model_len=max_model_len(args),
+              warmup=args.warmup, kv_cache_dtype=args.kv_cache_dtype, **budget)
     llm.engine.wait_compiled()
     startup_s = time.perf_counter() - t0
     vocab = llm.model.config.vocab_size
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(args.seed)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     rows = []
-    for n in args.lengths:
-        runs = []
-        for _ in range(args.repeats + 1):
-            prompt = {"prompt_token_ids": rng.integers(10, vocab - 10, n).tolist()}
-            (out,) = llm.generate([prompt], params, use_tqdm=False)
-            runs.append((out.metrics["ttft"], out.metrics["tpot"], list(out.token_ids)))
-        ttft = [r[0] for r in runs[1:]]
-        tpot = [r[1] for r in runs[1:]]
-        row = {"prompt_tokens": n, "ttft_s": float(np.median(ttft)), "ttft_all_s": ttft,
-               "prompt_tokens_per_s": n / float(np.median(ttft)), "tpot_ms": 1e3 * float(np.median(tpot)),
-               "first_run_ttft_s": runs[0][0], "token_ids": [r[2] for r in runs]}
-        rows.append(row)
-        print(f"{n:>6} tokens: TTFT {row['ttft_s']:.3f} s ({row['prompt_tokens_per_s']:.0f} tok/s), "
-              f"TPOT {row['tpot_ms']:.2f} ms", flush=True)
-    result = {"model": args.model, "random_weights": args.random_weights, "dtype": args.dtype,
-              "max_num_batched_tokens": args.max_num_batched_tokens, "max_model_len": max_len,
+    for count, tokens in args.runs:
+        llm.generate(prompts_for(rng, vocab, *warm_run(count, tokens)), params, use_tqdm=False)
+        outs = llm.generate(prompts_for(rng, vocab, count, tokens), params, use_tqdm=False)
+        rows.append(summarise(count, tokens, [o.metrics["ttft"] for o in outs],
+                              [o.metrics["tpot"] for o in outs if o.metrics["tpot"] is not None],
+                              [list(o.token_ids) for o in outs]))
+    result = {"engine": "jaxspec", "model": args.model, "random_weights": args.random_weights, "dtype": args.dtype,
+              "max_num_batched_tokens": llm.engine.config.max_num_batched_tokens,
+              "max_model_len": max_model_len(args),
               "prefill_attention_from_tokens": llm.engine.runner.ops.prefill_attention_from_tokens,
               "kv_cache": llm.engine.kv_cache(), "startup_s": startup_s, "rows": rows}
     if args.json:
