@@ -191,3 +191,33 @@ def test_attention_sinks_in_the_reference_and_both_kernels():
     cos, sin = rope_cos_sin(batch.positions, rope_inv_freq(cfg))
     out, _, _ = fused_attention_fn(cfg, lp, qkv, cos, sin, k_pool, v_pool, 1, batch, bs, None, sinks=sinks)
     np.testing.assert_allclose(np.asarray(out)[live], np.asarray(want)[live], rtol=2e-5, atol=2e-5)
+
+
+def test_long_block_tables_split_decode_contexts_further_and_stay_exact(monkeypatch):
+    """With FUSED_PAGES_PER_SPLIT set (64; 0 by default until timed end to end on a GPU), a block table of
+    max_model_len 8192 or more (512 pages) splits a decode token's context over more programs, so that none walks
+    more than FUSED_PAGES_PER_SPLIT pages at full length; the default 4096 (256 pages) keeps the short-context count.
+    The fused kernel with such a table (the case's rows padded to 1024 pages, the pages past each row's context never
+    read) still gives the unfused layer's output."""
+    import jaxspec.pallas.paged_attention as pa
+    from jaxspec.nn.kernels import LayerWeights, fused_attention_fn
+    from jaxspec.nn.layers import split_qkv, write_kv
+    from jaxspec.nn.ops import rope_cos_sin, rope_inv_freq
+    monkeypatch.setattr(pa, "FUSED_PAGES_PER_SPLIT", 64)
+    assert [pa.fused_splits(t, 256) for t in (8, 32, 64)] == [pa.fused_splits(t) for t in (8, 32, 64)] == [16, 4, 2]
+    assert [pa.fused_splits(t, 2048) for t in (8, 16, 32, 64, 512)] == [32, 32, 16, 8, 1]
+    cfg, stacks, qkv, k_pool, v_pool, batch, bs = _fused_case(False, True)
+    tables = jnp.pad(batch.block_tables, ((0, 0), (0, 1024 - batch.block_tables.shape[1])))
+    batch = ForwardBatch(None, batch.positions, batch.slot_mapping, batch.row_of_token, tables, None,
+                         first_in_step=batch.first_in_step)
+    T = batch.positions.shape[0]
+    assert pa.fused_splits(T, 1024) > pa.fused_splits(T)
+    layer = 1
+    lp = LayerWeights(stacks, layer)
+    q, k, v = split_qkv(cfg, lp, qkv, batch.positions)
+    kv = write_kv({"k": k_pool, "v": v_pool}, layer, batch, k, v)
+    want = paged_attention_reference(q, kv["k"], kv["v"], layer, batch, bs)
+    want = jnp.where((batch.slot_mapping < k_pool.shape[1])[:, None], want, 0)
+    cos, sin = rope_cos_sin(batch.positions, rope_inv_freq(cfg))
+    out, _, _ = fused_attention_fn(cfg, lp, qkv, cos, sin, k_pool, v_pool, layer, batch, bs)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=2e-5, atol=2e-5)

@@ -1,20 +1,21 @@
 """Long prompts: time to first token, prompt throughput and the decode step over the prompt's context, for runs of
 C requests of N prompt tokens sent at once (`--runs 1x2048 1x8192 1x32768 8x8192 32x8192`). The engine is built once
-(warm-up `--warmup`, then every bucket compiled before timing); every prompt is fresh random token ids (no
-prefix-cache hit). Before each timed run a discarded one warms its shapes: the same run for one request, C requests
-of 256 tokens for a batch (so that a warm-up never prefills another 262,144 tokens).
+(warm-up `--warmup`, then every bucket compiled before timing); every prompt is fresh random token ids. Before each
+timed run a discarded one warms its shapes: the same run for one request, C requests of 256 tokens for a batch (so
+that a warm-up never prefills another 262,144 tokens).
 
-Per run: TTFT (median and max over its requests; one request: its TTFT), prompt throughput = C x N / the last
-request's TTFT (all arrive together, so that is when the last prefill finished, decode steps of the early ones
-interleaved as a server would run them), and the median per-request TPOT of `--output-len` tokens over that context.
+Each run is two passes over its prompts. The prefill pass asks one token of each: TTFT (median and max over its
+requests) and prompt throughput = C x N / the last request's TTFT (all arrive together, so that is when the last
+prefill finished). The decode pass sends the same prompts again for `--output-len` tokens: the prefix cache holds
+them, so every request starts decoding at once and the median per-request TPOT is the decode step at batch C over
+that context (in one pass, the first requests' tokens would wait on the others' prefill chunks).
 `benchmarks/end_to_end/vllm_long_prompts.py` runs the same prompts through vLLM and reports the same keys.
 
     python3 benchmarks/end_to_end/long_prompts.py --model qwen2.5-coder-1.5b-instruct --random-weights \
         --runs 1x2048 1x8192 1x32768 8x8192 --max-num-batched-tokens 2048 --json out.json
 
-JAXSPEC_PREFILL_ATTENTION_FROM_TOKENS=256 runs steps of 256 tokens or more on the prefill kernel's query tiles
-(jaxspec.nn.ops.Ops.prefill_attention_from_tokens), 0 on the per-token kernel: the before/after.
---kv-cache-dtype fp8 for the fp8 KV cache.
+JAXSPEC_PREFILL_ATTENTION_FROM_TOKENS=0 keeps every step on the per-token kernel (the prefill kernel's before);
+--fused-pages-per-split 0 the decode kernel's split count of short contexts; --kv-cache-dtype fp8 the fp8 KV cache.
 """
 import argparse
 import json
@@ -66,21 +67,29 @@ def prompts_for(rng, vocab: int, count: int, tokens: int) -> list[dict]:
     return [{"prompt_token_ids": rng.integers(10, vocab - 10, tokens).tolist()} for _ in range(count)]
 
 
-def summarise(count: int, tokens: int, ttfts: list[float], tpots: list[float], token_ids) -> dict:
+def summarise(count: int, tokens: int, ttfts: list[float], cached_ttfts: list[float], tpots: list[float],
+              token_ids) -> dict:
+    """One run's report from its prefill pass (`ttfts`) and its decode pass (`cached_ttfts`, `tpots`)."""
     import numpy as np
     last = max(ttfts)
     row = {"requests": count, "prompt_tokens": tokens, "ttft_s": float(np.median(ttfts)), "ttft_max_s": last,
-           "prompt_tokens_per_s": count * tokens / last,
+           "prompt_tokens_per_s": count * tokens / last, "cached_ttft_s": float(np.median(cached_ttfts)),
            "tpot_ms": 1e3 * float(np.median(tpots)) if tpots else float("nan"), "token_ids": token_ids}
     print(f"{count:>3} x {tokens:>6} tokens: TTFT {row['ttft_s']:.3f} s (last {last:.3f} s, "
-          f"{row['prompt_tokens_per_s']:.0f} prompt tok/s), TPOT {row['tpot_ms']:.2f} ms", flush=True)
+          f"{row['prompt_tokens_per_s']:.0f} prompt tok/s), TPOT {row['tpot_ms']:.2f} ms "
+          f"(cached prompt: TTFT {row['cached_ttft_s']:.3f} s)", flush=True)
     return row
 
 
 def main():
     p = common_args(__doc__)
     p.add_argument("--warmup", default="fast")
+    p.add_argument("--fused-pages-per-split", type=int, default=None,
+                   help="jaxspec.pallas.paged_attention.FUSED_PAGES_PER_SPLIT (0: decode splits as for short contexts)")
     args = p.parse_args()
+    import jaxspec.pallas.paged_attention as pa
+    if args.fused_pages_per_split is not None:
+        pa.FUSED_PAGES_PER_SPLIT = args.fused_pages_per_split
 
     import numpy as np
 
@@ -97,18 +106,22 @@ def main():
     startup_s = time.perf_counter() - t0
     vocab = llm.model.config.vocab_size
     rng = np.random.default_rng(args.seed)
+    first = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     rows = []
     for count, tokens in args.runs:
         llm.generate(prompts_for(rng, vocab, *warm_run(count, tokens)), params, use_tqdm=False)
-        outs = llm.generate(prompts_for(rng, vocab, count, tokens), params, use_tqdm=False)
-        rows.append(summarise(count, tokens, [o.metrics["ttft"] for o in outs],
+        prompts = prompts_for(rng, vocab, count, tokens)
+        prefill = llm.generate(prompts, first, use_tqdm=False)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        rows.append(summarise(count, tokens, [o.metrics["ttft"] for o in prefill], [o.metrics["ttft"] for o in outs],
                               [o.metrics["tpot"] for o in outs if o.metrics["tpot"] is not None],
                               [list(o.token_ids) for o in outs]))
     result = {"engine": "jaxspec", "model": args.model, "random_weights": args.random_weights, "dtype": args.dtype,
               "max_num_batched_tokens": llm.engine.config.max_num_batched_tokens,
               "max_model_len": max_model_len(args),
               "prefill_attention_from_tokens": llm.engine.runner.ops.prefill_attention_from_tokens,
+              "fused_pages_per_split": pa.FUSED_PAGES_PER_SPLIT,
               "kv_cache": llm.engine.kv_cache(), "startup_s": startup_s, "rows": rows}
     if args.json:
         with open(args.json, "w") as f:

@@ -6,8 +6,8 @@ KNOWN_SHAPES preset (its config.json written by vllm_startup.model_dir) or a che
         --model qwen2.5-coder-1.5b-instruct --random-weights --runs 1x2048 1x8192 8x8192 --json vllm.json
 
 TTFT is vLLM's own per-request `first_token_latency` (arrival to first token, as jaxspec's `ttft`); TPOT is
-(last token - first token) / (tokens - 1) per request. `--max-num-batched-tokens` left out keeps vLLM's default,
-which the report records.
+(last token - first token) / (tokens - 1) per request. Prefix caching is on in both (their defaults): the decode pass
+hits it. `--max-num-batched-tokens` left out keeps vLLM's default, which the report records.
 """
 import json
 import os
@@ -49,7 +49,8 @@ def main():
         vocab = json.load(f)["vocab_size"]
     kwargs = dict(model=model, dtype=args.dtype, max_num_seqs=max(c for c, _ in args.runs),
                   max_model_len=max_model_len(args), gpu_memory_utilization=args.gpu_memory_utilization,
-                  skip_tokenizer_init=True, seed=args.seed)
+                  skip_tokenizer_init=True, seed=args.seed,
+                  disable_log_stats=False)   # the per-request timings below come with the stats
     if args.random_weights:
         kwargs["load_format"] = "dummy"
     if args.max_num_batched_tokens is not None:
@@ -62,13 +63,16 @@ def main():
     llm = LLM(**kwargs)
     startup_s = time.perf_counter() - t0
     rng = np.random.default_rng(args.seed)
+    first = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True, detokenize=False)
     rows = []
     for count, tokens in args.runs:
         llm.generate(prompts_for(rng, vocab, *warm_run(count, tokens)), params, use_tqdm=False)
-        outs = llm.generate(prompts_for(rng, vocab, count, tokens), params, use_tqdm=False)
-        rows.append(summarise(count, tokens, [first_token_latency(o) for o in outs],
-                              [t for t in map(tpot, outs) if t is not None],
+        prompts = prompts_for(rng, vocab, count, tokens)
+        prefill = llm.generate(prompts, first, use_tqdm=False)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        rows.append(summarise(count, tokens, [first_token_latency(o) for o in prefill],
+                              [first_token_latency(o) for o in outs], [t for t in map(tpot, outs) if t is not None],
                               [list(o.outputs[0].token_ids) for o in outs]))
     sched = llm.llm_engine.vllm_config.scheduler_config
     result = {"engine": "vllm", "model": args.model, "random_weights": args.random_weights, "dtype": args.dtype,

@@ -337,18 +337,33 @@ def _fused_kernel(layer_ref, wlayer_ref, window_ref, pos_ref, slot_ref, first_re
         plgpu.store(l_ref.at[t, split, pl.ds(h * G, q_rows)], l, mask=rows_in_group)
 
 
-def fused_splits(num_tokens: int) -> int:
+def fused_splits(num_tokens: int, max_pages: int = 0) -> int:
     """Programs that share one token's context in the fused kernel. A decode step has one real token per row, and
     one program walking a 200-token context page by page took 9-14 us per layer on an H100 (a dependent loop of
     loads, the GPU nearly idle): split, each program takes a page or two per iteration (`_split_pages`) and the
     splits are merged after (`_merge_splits`). Larger steps have programs enough, and the merge's [T, splits, H,
-    hd] buffer grows with T. A power of two: the merge kernel reads a token's splits as one tile."""
-    splits = max(1, min(FUSED_MAX_SPLITS, FUSED_SPLIT_PROGRAMS // num_tokens))
+    hd] buffer grows with T. `max_pages`: the block table's width (max_model_len's pages); with FUSED_PAGES_PER_SPLIT
+    set, a long one (at least FUSED_LONG_CONTEXT_PAGES) gets splits enough that none walks more than that many pages
+    at full length (a 32k context split 16 ways walks 128 dependent pages per program: decode at 32k cost 3.7x decode
+    at 2k on an H100), as far as FUSED_MAX_TOKEN_SPLITS allows. A power of two: the merge kernel reads a token's splits as one tile."""
+    splits = min(FUSED_MAX_SPLITS, FUSED_SPLIT_PROGRAMS // num_tokens)
+    if FUSED_PAGES_PER_SPLIT and max_pages >= FUSED_LONG_CONTEXT_PAGES:
+        splits = max(splits, min(-(-max_pages // FUSED_PAGES_PER_SPLIT), FUSED_MAX_TOKEN_SPLITS // num_tokens))
+    splits = max(1, splits)
     return 1 << (splits.bit_length() - 1)
 
 
 FUSED_MAX_SPLITS = 16
 FUSED_SPLIT_PROGRAMS = 128     # tokens x splits the split count aims at (8 tokens: 16 splits; >= 128 tokens: 1)
+# Long contexts (block tables of FUSED_LONG_CONTEXT_PAGES pages or more: max_model_len 8192 at 16-token pages; the
+# default 4096 keeps the count above): pages one split walks at most at max_model_len, within tokens x splits of
+# FUSED_MAX_TOKEN_SPLITS (the merge's buffer). 0, the default, keeps the count above at every length: on an H100
+# (benchmarks/kernels/bench_decode_attention.py, docs/lab/2026-12-07-long-prompts-gpu.md) one decode row at a 32k
+# context took 302 / 213 / 190 us a layer at 16 / 32 / 64 splits, but 8 rows took 321 / 416 / 370 us, and the
+# engine-level A/B (long_prompts.py --fused-pages-per-split 64 against 0) is not run yet.
+FUSED_LONG_CONTEXT_PAGES = 512
+FUSED_PAGES_PER_SPLIT = 0
+FUSED_MAX_TOKEN_SPLITS = 512
 FUSED_SPLIT_PAGES_PER_ITER = None   # pages a split program loads per iteration (None: `_split_pages`)
 
 
@@ -371,7 +386,7 @@ def paged_attention_fused(qkv, k_pool, v_pool, layer, cos, sin, positions, slot_
     token's position; positions, slot_mapping (>= S: writes nothing, and the token is padding), first_in_step
     (index in T of the token's row's first token this step), row_of_token [T]; block_tables [R, MB]; bias
     [Lw, Hkv*(G+2)*hd] and q_norm/k_norm [Lw, hd] stacked over layers, this layer's at `weight_layer`;
-    num_splits: programs sharing a token's context (None: `fused_splits(T)`); window: a sliding window, an i32 scalar
+    num_splits: programs sharing a token's context (None: `fused_splits(T, MB)`); window: a sliding window, an i32 scalar
     (each token sees the keys at its position and the window - 1 before; the pages before it are not read); sinks:
     f32 [Hq] attention-sink logits, or None.
     -> (out [T, Hq*hd], k_pool, v_pool with this step's k/v written)."""
@@ -382,7 +397,7 @@ def paged_attention_fused(qkv, k_pool, v_pool, layer, cos, sin, positions, slot_
     W = G + 2
     q_rows = max(_MIN_ROWS, next_pow2(G))
     qkv = qkv.reshape(T, Hkv * W, hd)
-    NS = fused_splits(T) if num_splits is None else num_splits
+    NS = fused_splits(T, block_tables.shape[1]) if num_splits is None else num_splits
     # this step's keys per iteration: a split (decode-sized) step's rows have a few each (one per decode token)
     chunk = _MIN_ROWS if NS > 1 else max(_MIN_ROWS, min(64, next_pow2(T)))
     # On a GPU masked lanes touch no memory; the interpreter slices instead (clamping slices that run past the
