@@ -15,6 +15,7 @@ _PUBLIC = {
     "RequestOutput": "jaxspec.sched.output",
     "SpeculativeConfig": "jaxspec.spec",
     "StructuredOutputsParams": "jaxspec.structured",
+    "LoRARequest": "jaxspec.lora",
 }
 
 

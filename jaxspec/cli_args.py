@@ -160,6 +160,11 @@ ENGINE_FLAGS: dict[str, tuple[tuple[str, ...], dict]] = {
         default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
         help="the KV cache's dtype: auto (the model's) or fp8 (e4m3, as fp8_e4m3) / fp8_e5m2, a byte per value with "
              "a per-tensor scale of 1: twice the tokens of a bf16 cache")),
+    "enable_lora": (("--enable-lora",), dict(
+        action=argparse.BooleanOptionalAction, default=False,
+        help="LoRA adapters per request (PEFT directories: --lora-modules, or a request's LoRARequest)")),
+    "max_loras": (("--max-loras",), dict(type=int, default=1, help="--enable-lora: adapters resident at once")),
+    "max_lora_rank": (("--max-lora-rank",), dict(type=int, default=16, help="--enable-lora: the largest rank served")),
     "logprobs_mode": (("--logprobs-mode",), dict(
         default="raw_logprobs", choices=["raw_logprobs", "processed_logprobs"],
         help="what logprobs return: the model's log-softmax (raw) or the distribution sampled from (processed: "
@@ -170,7 +175,8 @@ ENGINE_FLAGS: dict[str, tuple[tuple[str, ...], dict]] = {
 SERVER_ENGINE_FIELDS = ("dtype", "max_num_seqs", "max_model_len", "max_num_batched_tokens", "block_size",
                         "num_kv_blocks", "kv_memory_fraction", "async_scheduling", "enable_prefix_caching",
                         "speculative_config", "seed", "tensor_parallel_size", "structured_compile_timeout",
-                        "structured_compile_memory", "warmup", "quantization", "kv_cache_dtype", "logprobs_mode")
+                        "structured_compile_memory", "warmup", "quantization", "kv_cache_dtype", "logprobs_mode",
+                        "enable_lora", "max_loras", "max_lora_rank")
 
 
 def add_engine_args(p: argparse.ArgumentParser, fields: tuple[str, ...] = SERVER_ENGINE_FIELDS):

@@ -36,7 +36,8 @@ class LLM:
                  tensor_parallel_size: int = 1, structured_compile_timeout: float = 30.0,
                  structured_compile_memory: float = 2.0,
                  delta_rule: str = "auto", logprobs_mode: str = "raw_logprobs", quantization: str | None = None,
-                 kv_cache_dtype: str = "auto"):
+                 kv_cache_dtype: str = "auto", enable_lora: bool = False, max_loras: int = 1,
+                 max_lora_rank: int = 16):
         from jaxspec.models.loader import load_model
 
         t0 = time.perf_counter()
@@ -50,7 +51,8 @@ class LLM:
             attention=attention, unroll_layers=unroll_layers, tensor_parallel_size=tensor_parallel_size,
             structured_compile_timeout=structured_compile_timeout,
             structured_compile_memory=structured_compile_memory, delta_rule=delta_rule,
-            logprobs_mode=logprobs_mode, quantization=quantization, kv_cache_dtype=kv_cache_dtype),
+            logprobs_mode=logprobs_mode, quantization=quantization, kv_cache_dtype=kv_cache_dtype,
+            enable_lora=enable_lora, max_loras=max_loras, max_lora_rank=max_lora_rank),
             speculative_config)
         self.model = self.engine.model   # quantized, where asked (a model this LLM loaded is then released)
         self.speculative_config = self.engine.speculative_config
@@ -130,34 +132,46 @@ class LLM:
         raise ValueError(f"prompts is {_show(prompts)}: give a string, a list of token ids, a list of chat "
                          "messages, or a list of those")
 
-    def add_requests(self, prompts, sampling_params=None, outputs=None, chat_options: dict | None = None
-                     ) -> list[list[Request]]:
+    def add_requests(self, prompts, sampling_params=None, outputs=None, chat_options: dict | None = None,
+                     lora_request=None) -> list[list[Request]]:
         """Queues every prompt (all checked before any is queued: a ValueError queues nothing); per prompt,
         its SamplingParams.n completions. `outputs`: an object with `put(RequestOutput)` (a queue) that gets
         their deltas as the engine confirms them (a server drives the engine on its thread and reads them).
-        `chat_options`: how conversations are rendered (`encode_prompt`)."""
+        `chat_options`: how conversations are rendered (`encode_prompt`). `lora_request`: a jaxspec.LoRARequest for
+        every prompt, a list of one (or None) per prompt, or None (the base model)."""
         prompts = self._as_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts; give one, or one each")
+        adapters = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
+        if len(adapters) != len(prompts):
+            raise ValueError(f"got {len(adapters)} lora requests for {len(prompts)} prompts; give one, or one each")
         encoded = [self.encode_prompt(p, i, chat_options) for i, p in enumerate(prompts)]
         # every request is checked (and built) before any is queued
-        groups = [self.engine.intake.build(ids, sp, prompt=text, outputs=outputs)
-                  for (ids, text), sp in zip(encoded, params)]
+        groups = []
+        try:
+            for (ids, text), sp, lora in zip(encoded, params, adapters):
+                groups.append(self.engine.intake.build(ids, sp, prompt=text, outputs=outputs, lora_request=lora))
+        except ValueError:
+            for group in groups:   # built, never queued: their adapter slots go back
+                self.engine.intake.discard(group)
+            raise
         for group in groups:
             self.engine.submit(group)
         return groups
 
     # ---- generation --------------------------------------------------------------------------------
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """One RequestOutput per prompt, in order; SamplingParams.n completions each in `outputs`."""
-        return self._generate(prompts, sampling_params, use_tqdm)
+                 use_tqdm: bool = True, lora_request=None) -> list[RequestOutput]:
+        """One RequestOutput per prompt, in order; SamplingParams.n completions each in `outputs`. `lora_request`:
+        the jaxspec.LoRARequest every prompt runs with, or one (or None) per prompt (needs enable_lora=True)."""
+        return self._generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
-    def _generate(self, prompts, sampling_params, use_tqdm: bool, chat_options: dict | None = None):
-        groups = self.add_requests(prompts, sampling_params, chat_options=chat_options)
+    def _generate(self, prompts, sampling_params, use_tqdm: bool, chat_options: dict | None = None,
+                  lora_request=None):
+        groups = self.add_requests(prompts, sampling_params, chat_options=chat_options, lora_request=lora_request)
         reqs = [r for group in groups for r in group]
         bar = tqdm(total=len(reqs), desc="generating", disable=not use_tqdm, unit="req")
         finished = [0]

@@ -55,6 +55,7 @@ ROW_FIELDS = {
     "min_tokens": Field(np.int32, 0, lambda r, v: r.params.min_tokens),
     # 1: the row adds its slot's row of the logit-bias table (written when the request takes the slot)
     "logit_bias": Field(np.int32, 0, lambda r, v: int(bool(r.params.logit_bias))),
+    "lora": Field(np.int32, 0, lambda r, v: r.lora_slot),    # its LoRA adapter's slot (jaxspec.lora.slots); 0: none
     "temperature": Field(np.float32, 0.0, lambda r, v: r.params.temperature),
     "top_p": Field(np.float32, 1.0, lambda r, v: r.params.top_p),
     "min_p": Field(np.float32, 0.0, lambda r, v: r.params.min_p),

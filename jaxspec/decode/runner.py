@@ -35,7 +35,7 @@ from jaxspec.decode.state import DecodeState, StepConfig, init_state, state_sche
 from jaxspec.decode.step import StepVariant, make_step, output_shapes
 from jaxspec.nn import schema
 from jaxspec.nn.decoder import Decoder
-from jaxspec.nn.ops import Ops
+from jaxspec.nn.ops import LORA_A, LORA_B, Ops
 from jaxspec.nn.sharding import PARAM_RULES, STATE_RULES
 from jaxspec.sampling_params import MAX_LOGIT_BIAS
 
@@ -335,6 +335,21 @@ class ModelRunner:
                                      *self._table_args(variant, grammar_table))
         self._outboxes[(T, variant)] = outbox
         return self._copy_outputs(outbox)
+
+    def write_adapter(self, slot: int, adapter: dict | None):
+        """LoRA adapter slot `slot` of the target's params (jaxspec.lora.slots) <- `adapter`'s arrays ({kind: {name:
+        (A [L, R, K], B [L, ..., R])}}), or zeros for None. New arrays: a step in flight keeps the ones it was given."""
+        layers = dict(self.params["layers"])
+        for kind, stacks in layers.items():
+            stacks = dict(stacks)
+            for key in [k for k in stacks if k.endswith(LORA_A) or k.endswith(LORA_B)]:
+                name, part = (key[:-len(LORA_A)], 0) if key.endswith(LORA_A) else (key[:-len(LORA_B)], 1)
+                value = (adapter or {}).get(kind, {}).get(name)
+                stack = stacks[key]
+                new = jnp.zeros(stack.shape[:1] + stack.shape[2:], stack.dtype) if value is None else value[part]
+                stacks[key] = stack.at[:, slot].set(jnp.asarray(new, stack.dtype))
+            layers[kind] = stacks
+        self.params = {**self.params, "layers": layers}
 
     def _load(self, T: int, buf) -> jax.Array:
         """Bucket T's inbox (made on first use) <- buf."""

@@ -193,7 +193,7 @@ def tokens_from_state(sc: StepConfig, K: int, state: DecodeState, inp: DeviceInp
     logits_idx = jnp.clip(last_real[:, None] + jnp.arange(K + 1)[None, :], 0, T - 1).reshape(-1)   # [R*(K+1)]
     batch = ForwardBatch(ids, pos, kv_slots, t["row"], inp.block_tables, logits_idx, slot_of_row=slot,
                          first_token_of_row=rows["first_token"], writes_state=valid,
-                         first_in_step=rows["first_token"][t["row"]])
+                         first_in_step=rows["first_token"][t["row"]], lora_of_token=rows["lora"][t["row"]])
     return Tokens(batch, valid, history, slot, start, start + num_new - num_drafts, draft_ids)
 
 

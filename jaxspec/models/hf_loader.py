@@ -113,6 +113,17 @@ def _read_raw(file: Path, name: str) -> np.ndarray:
     return np.frombuffer(data, _RAW_DTYPES[info["dtype"]]).reshape(info["shape"])
 
 
+def read_tensor_file(file: str | os.PathLike) -> dict[str, np.ndarray]:
+    """Every tensor of one safetensors file, as stored (bf16 as ml_dtypes.bfloat16)."""
+    file = Path(file)
+    try:
+        handle = safe_open(str(file), framework="numpy")
+    except Exception as e:
+        raise CorruptModelFileError(f"cannot read safetensors file {str(file)!r}: {e}") from e
+    return {name: _read_raw(file, name) if handle.get_slice(name).get_dtype() in _NOT_IN_NUMPY
+            else handle.get_tensor(name) for name in handle.keys()}
+
+
 def refuse_unread_tensors(config: ModelConfig, names) -> None:
     """UnsupportedModelError naming the first layer tensor among `names` (a bias, attention sinks, a norm) that
     jaxspec's model for `config` would not read: e.g. Llama q/k/v/o biases (its config lacking attention_bias), an

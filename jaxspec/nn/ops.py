@@ -38,6 +38,9 @@ class ForwardBatch(NamedTuple):
     # on are the step's own k/v, and the fused attention kernel reads them there instead of from the pool
     # (jaxspec.pallas.paged_attention). None: not so, and attention reads every key from the pool.
     first_in_step: jax.Array | None = None
+    # i32[T] each token's LoRA adapter slot (0: none; jaxspec.lora.slots), read by the layers' projections where the
+    # params hold adapters. None: no adapters.
+    lora_of_token: jax.Array | None = None
 
 
 def rms_norm(x, weight, eps):
@@ -233,6 +236,23 @@ GATE_ACTIVATIONS = {"silu": jax.nn.silu, "gelu_pytorch_tanh": functools.partial(
 CUBLAS_FROM_TOKENS = 128
 
 
+# A weight's LoRA adapters in a layer's params: `<name>_lora_a`, `<name>_lora_b` (jaxspec.lora.slots).
+LORA_A, LORA_B = "_lora_a", "_lora_b"
+
+
+def lora_delta(x, a, b, slot_of_row):
+    """Each row's adapter product: x [T, K], a [N, R, K] and b [N, ..., R] the adapter slots' A and B (the scaling in
+    B), slot_of_row i32[T] -> f32 [T, prod(...)], row t's b[s] @ a[s] @ x[t] with s = slot_of_row[t]. Every slot's
+    x @ A (N x R columns: a few hundred) then one product with the slots' B stacked, the other slots' columns zeroed:
+    two dense matmuls, no per-row gather of B (a prefill chunk's rows times B's size). Slot 0, zeros, adds 0."""
+    N, R = a.shape[0], a.shape[1]
+    xa = jnp.einsum("tk,nrk->tnr", x, a, preferred_element_type=jnp.float32)                # [T, N, R]
+    mine = slot_of_row[:, None, None] == jnp.arange(N, dtype=slot_of_row.dtype)[None, :, None]
+    xa = jnp.where(mine, xa, 0.0).reshape(x.shape[0], N * R)
+    b = jnp.transpose(b.reshape(N, -1, R), (0, 2, 1)).reshape(N * R, -1)                # [N*R, out]
+    return jnp.dot(xa, b.astype(jnp.float32))
+
+
 # Steps of at least this many tokens attend with the prefill kernel on a GPU (`Ops.prefill_attention_from_tokens`).
 # Measured on an H100 (Qwen2.5-Coder-1.5B shapes, 2,048-token chunks, docs/lab/2026-12-07-long-prompts-gpu.md): time
 # to first token 0.033 -> 0.016 s at 2k prompt tokens, 0.402 -> 0.076 s at 8k, 6.05 -> 0.60 s at 32k; one chunk's
@@ -354,7 +374,7 @@ class Ops:
         return bool(self.gemv) and self.tp is None and num_tokens <= limit
 
     def linear(self, x, lp, name: str, *, norm: str | None = None, eps: float | None = None, residual=None,
-               group_sizes=None, out_dtype=None, activation: str = "silu"):
+               group_sizes=None, out_dtype=None, activation: str = "silu", lora=None):
         """One projection: x [..., K] @ lp[name].T -> [..., N], the one function every matmul against a weight
         goes through (layers, heads, drafters, training), so that a kernel or a weight format is chosen here once.
 
@@ -367,14 +387,19 @@ class Ops:
         product's dtype (float32 logits from bf16 weights); None: the operands'. The weight is named, not passed, so
         that a kernel can read the whole stacked weight in place (`kernels.LayerWeights`).
 
+        lora i32[T]: each row of x's LoRA adapter slot, where lp holds the weight's adapters (`<name>_lora_a` [N, R,
+        K], `<name>_lora_b` [N, ..., R]: jaxspec.lora.slots, slot 0 zeros): the row's B @ A @ x is added to the
+        product before the activation and the residual (`lora_delta`).
+
         Steps of at most GEMV_MAX_TOKENS tokens run the weights named in `gemv` as gemv kernels with the norm,
         SwiGLU and residual inside; everything else is XLA's dot, with the norm, SwiGLU and residual as XLA ops."""
         if (norm is None) != (eps is None):
             raise ValueError(f"norm={norm!r} and eps={eps!r}: an input norm needs both its weight's name and eps")
         scale = lp.get(name + quant.SCALE)   # an FP8 weight's per-channel scales (or block-wise: quant.is_blockwise)
         blockwise = group_sizes is None and quant.is_blockwise(lp[name], scale)   # the kernels know per-channel only
+        adapters = lora is not None and name + LORA_A in lp
         on_kernel = (name in self.gemv and group_sizes is None and out_dtype is None and x.ndim == 2
-                     and self.use_gemv(x.shape[0]) and not blockwise)
+                     and self.use_gemv(x.shape[0]) and not blockwise and not adapters)
         if activation not in GATE_ACTIVATIONS:
             raise ValueError(f"activation={activation!r} is unknown; valid: {', '.join(GATE_ACTIVATIONS)}")
         kernel_activation = activation == "silu" or lp[name].ndim == 2   # (a pair weight is [F, 2, K])
@@ -406,6 +431,8 @@ class Ops:
                 y = quant.fp8_matmul(x, w, scale.reshape(-1), w8a8=self.uses_w8a8(x), out_dtype=out_dtype)
             elif y is None:
                 y = x @ w.T if out_dtype is None else jnp.einsum("...k,nk->...n", x, w, preferred_element_type=out_dtype)
+        if adapters:
+            y = y + lora_delta(x, lp[name + LORA_A], lp[name + LORA_B], lora).astype(y.dtype)
         if pairs:
             y = y.reshape(*y.shape[:-1], -1, 2)
             y = GATE_ACTIVATIONS[activation](y[..., 0]) * y[..., 1]

@@ -95,14 +95,15 @@ class BlockManager:
             del self.cached[key[0]]
 
     # ---- the prefix cache --------------------------------------------------------------------------
-    def match_prefix(self, token_ids: list[int], hashes: list[int]) -> list[int]:
+    def match_prefix(self, token_ids: list[int], hashes: list[int], salt=None) -> list[int]:
         """The cached blocks that hold the longest block-aligned prefix of `token_ids`, leaving at least its
         last token to compute; each is taken (a reference per request). `hashes` receives their chained
-        hashes."""
+        hashes. `salt`: what else the KV depends on (a LoRA adapter's id), the first block's parent in the chain:
+        blocks cached under another salt never match."""
         if not self.enable_prefix_caching:
             return []
         bs, extra = self.block_size, self.key_overlap
-        blocks, parent = [], None
+        blocks, parent = [], salt
         for b in range((len(token_ids) - 1 - extra) // bs):
             tokens = tuple(token_ids[b * bs:(b + 1) * bs + extra])
             h = block_hash(parent, tokens)
@@ -125,16 +126,18 @@ class BlockManager:
         self.queried_tokens += num_tokens
         self.hit_tokens += num_hit
 
-    def cache_blocks(self, block_ids: list[int], token_ids: list[int], hashes: list[int], num_final: int):
+    def cache_blocks(self, block_ids: list[int], token_ids: list[int], hashes: list[int], num_final: int,
+                     salt=None):
         """Registers the request's blocks that are full of tokens whose KV is final: the first `num_final`
         tokens of `token_ids`. `hashes` holds the chained hashes of its blocks registered so far (extended
-        here). A block whose tokens another cached block already holds stays unregistered."""
+        here); `salt` as `match_prefix`'s. A block whose tokens another cached block already holds stays
+        unregistered."""
         if not self.enable_prefix_caching:
             return
         bs, extra = self.block_size, self.key_overlap
         for b in range(len(hashes), min(num_final // bs, (len(token_ids) - extra) // bs, len(block_ids))):
             tokens = tuple(token_ids[b * bs:(b + 1) * bs + extra])
-            h = block_hash(hashes[-1] if hashes else None, tokens)
+            h = block_hash(hashes[-1] if hashes else salt, tokens)
             block = block_ids[b]
             if block != RELEASED and h not in self.cached and block not in self.block_key:
                 self.cached[h] = block

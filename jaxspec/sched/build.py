@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from jaxspec.decode.compiler import FAST, TUNED
 from jaxspec.decode.runner import ModelRunner
 from jaxspec.decode.state import StepConfig
+from jaxspec.lora.slots import AdapterSlots, with_adapter_slots
 from jaxspec.nn.ops import Ops
 from jaxspec.nn.sharding import TensorParallel
 from jaxspec.sched.adaptive import KChooser
@@ -38,6 +39,7 @@ class EngineParts:
     intake: Intake
     grammar_tables: GrammarTables
     k_chooser: KChooser | None     # adaptive speculation, else None
+    adapters: AdapterSlots | None  # LoRA adapters resident on the device (EngineConfig.enable_lora), else None
     builder: StepBuilder
     counts: EngineCounts
     prefix_cache_disabled_reason: str | None
@@ -54,6 +56,15 @@ def quantized_target(model, scheme: str | None):
     if model.quantization != scheme:
         raise ValueError(f"quantization={scheme!r}, but the model passed in is quantized as {model.quantization!r}")
     return model
+
+
+def refuse_lora_unless_attention_layers(model_config):
+    """LoRA reaches the projections of the `attention` layer kind (Llama, Mistral, Qwen2, Qwen3); another kind's layers
+    would run without their adapters: refused by name."""
+    kinds = sorted(set(model_config.layer_types or ("attention",)) - {"attention"})
+    if kinds:
+        raise ValueError(f"enable_lora: this model has {', '.join(map(repr, kinds))} layers, whose projections take "
+                         "no LoRA adapters yet; adapters are served over Llama, Mistral, Qwen2 and Qwen3 models")
 
 
 def window_tokens(config: EngineConfig, scheduler: Scheduler, step_config: StepConfig) -> int | None:
@@ -79,6 +90,10 @@ def build_parts(model, config: EngineConfig, speculative_config=None) -> EngineP
     drafter, drafter_params = (build_drafter(spec, model, config.quantization, config.tensor_parallel_size)
                                if spec is not None else (None, None))
     model = quantized_target(model, config.quantization)
+    if config.enable_lora:   # zeroed adapter slots beside each LoRA-able weight, in the params every step takes
+        refuse_lora_unless_attention_layers(mc)
+        model = dataclasses.replace(model, params=with_adapter_slots(model.params, mc, config.max_loras,
+                                                                     config.max_lora_rank))
     draft_configs = [drafter.config] if drafter is not None and drafter.config is not None else []
     # a draft model kept whole on each device is not split: its widths need not divide by the devices
     whole_draft = drafter is not None and drafter.whole_on_each_device
@@ -108,13 +123,15 @@ def build_parts(model, config: EngineConfig, speculative_config=None) -> EngineP
                           draft_lookahead=drafter is not None and drafter.needs_kv_lookahead,
                           kv_window=None if None in windows else max(windows),
                           token_budget=runner.compiled.token_budget)
+    adapters = (AdapterSlots(mc, config.max_loras, config.max_lora_rank, runner.write_adapter)
+                if config.enable_lora else None)
     tokenizer = model.tokenizer
     intake = Intake(vocab_size=mc.vocab_size, eos_token_ids=tokenizer.eos_token_ids if tokenizer else mc.eos_token_ids,
                     tokenizer=tokenizer, step_config=step_config, num_kv_blocks=num_blocks,
                     draft_lookahead=scheduler.draft_lookahead, share_prompt_blocks=caching,
                     compile_timeout=config.structured_compile_timeout,
                     compile_memory=config.structured_compile_memory, seed=config.seed,
-                    window_tokens=window_tokens(config, scheduler, step_config))
+                    window_tokens=window_tokens(config, scheduler, step_config), adapters=adapters)
     # the device table of the automata running requests use (structured outputs)
     grammar_tables = GrammarTables(mc.vocab_size, runner.input_sharding)
     # adaptive speculation: the host picks each step's k (jaxspec.sched.adaptive); None: always K
@@ -122,7 +139,7 @@ def build_parts(model, config: EngineConfig, speculative_config=None) -> EngineP
                  if spec is not None and spec.adaptive else None)
     return EngineParts(model=model, config=config, speculative_config=spec, step_config=step_config,
                        warmup_mode=warmup_mode, runner=runner, blocks=blocks, scheduler=scheduler, intake=intake,
-                       grammar_tables=grammar_tables, k_chooser=k_chooser,
+                       grammar_tables=grammar_tables, k_chooser=k_chooser, adapters=adapters,
                        builder=StepBuilder(runner, step_config, grammar_tables, k_chooser),
                        counts=EngineCounts(K, adaptive=k_chooser is not None),
                        prefix_cache_disabled_reason=prefix_cache_disabled_reason)

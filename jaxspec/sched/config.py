@@ -60,9 +60,13 @@ class EngineConfig:
     logprobs_mode: str = "raw_logprobs"   # what `logprobs` returns: "raw_logprobs" or "processed_logprobs" (vLLM's)
     quantization: str | None = None   # None (the checkpoint's dtype) or one of QUANTIZATION_SCHEMES
     kv_cache_dtype: str = "auto"      # one of KV_CACHE_DTYPES: the KV pools' dtype
+    enable_lora: bool = False         # LoRA adapters per request (jaxspec.lora): max_loras device slots of rank
+    max_loras: int = 1                # up to max_lora_rank, vLLM's names and defaults
+    max_lora_rank: int = 16
 
     def validate(self):
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size", "max_loras",
+                     "max_lora_rank"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} is invalid; it must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -87,6 +91,9 @@ class EngineConfig:
         if self.quantization is not None and self.quantization not in QUANTIZATION_SCHEMES:
             raise ValueError(f"quantization={self.quantization!r} is not supported; choose None or "
                              f"{', '.join(map(repr, QUANTIZATION_SCHEMES))}")
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            raise ValueError(f"enable_lora with tensor_parallel_size={self.tensor_parallel_size} is not implemented; "
+                             "serve adapters with tensor_parallel_size=1")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported; choose "
                              f"{', '.join(map(repr, KV_CACHE_DTYPES))}")

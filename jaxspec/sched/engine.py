@@ -58,6 +58,7 @@ class Engine:
         self.tokenizer = self.model.tokenizer
         self.step_config, self.runner, self.blocks = parts.step_config, parts.runner, parts.blocks
         self.scheduler, self.intake, self.grammar_tables = parts.scheduler, parts.intake, parts.grammar_tables
+        self.adapters = parts.adapters   # LoRA adapters on the device (jaxspec.lora.slots), or None
         self.k_chooser, self.builder, self.counts = parts.k_chooser, parts.builder, parts.counts
         self.prefix_cache_disabled_reason = parts.prefix_cache_disabled_reason
         self.warmup_mode = parts.warmup_mode
@@ -93,22 +94,22 @@ class Engine:
 
     # ---- requests ----------------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,
-                    request_id: str | None = None, outputs=None) -> Request:
+                    request_id: str | None = None, outputs=None, lora_request=None) -> Request:
         """Queues a request (checked first: a ValueError queues nothing). `outputs`: a queue that receives the
         request's RequestOutput deltas as the engine confirms them (its text rendered as it grows).
         One completion: `add_group` takes SamplingParams.n > 1."""
         if isinstance(params, SamplingParams) and params.n != 1:
             raise ValueError(f"SamplingParams.n={params.n}: add_request queues one completion; use add_group")
-        return self.add_group(prompt_token_ids, params, prompt, request_id, outputs)[0]
+        return self.add_group(prompt_token_ids, params, prompt, request_id, outputs, lora_request)[0]
 
     def add_group(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,
-                  request_id: str | None = None, outputs=None) -> list[Request]:
+                  request_id: str | None = None, outputs=None, lora_request=None) -> list[Request]:
         """Queues a prompt's SamplingParams.n completions, one request each (ids "<request_id>-<index>" when
         n > 1; `abort(request_id)` ends them all). Completions after the first wait for the first to have
         cached the prompt's blocks, then share them."""
         if self.failure is not None:
             raise RuntimeError(f"the engine loop stopped after an error: {self.failure!r}")
-        group = self.intake.build(prompt_token_ids, params, prompt, request_id, outputs)
+        group = self.intake.build(prompt_token_ids, params, prompt, request_id, outputs, lora_request)
         self.submit(group)
         return group
 
@@ -165,6 +166,9 @@ class Engine:
         req.finish_time = time.perf_counter()
         if self.intake.forget(req) and req.grammar is not None:
             self.grammar_tables.release(req.grammar)
+        if req.lora_slot:
+            self.adapters.release(req.lora_slot)
+            req.lora_slot = 0
 
     def has_unfinished(self) -> bool:
         return bool(self.intake) or self.scheduler.has_work() or self._in_flight is not None
@@ -395,4 +399,6 @@ class Engine:
             "kv_cache": self.kv_cache()}
         if self.k_chooser is not None:   # adaptive k: the measured step times and acceptance it chooses from
             out["spec"]["chooser"] = self.k_chooser.snapshot()
+        if self.adapters is not None:   # LoRA: slots, loads and the adapters resident now
+            out["lora"] = self.adapters.stats()
         return out

@@ -27,7 +27,8 @@ from jaxspec.structured.params import StructuredOutputsParams
 class Intake:
     def __init__(self, *, vocab_size: int, eos_token_ids, tokenizer, step_config, num_kv_blocks: int,
                  draft_lookahead: int, share_prompt_blocks: bool, compile_timeout: float, seed: int,
-                 compile_memory: float = 2.0, window_tokens: int | None = None):
+                 compile_memory: float = 2.0, window_tokens: int | None = None, adapters=None):
+        self.adapters = adapters   # jaxspec.lora.slots.AdapterSlots (EngineConfig.enable_lora), or None
         self.vocab_size, self.eos_token_ids, self.tokenizer = vocab_size, tuple(eos_token_ids), tokenizer
         # With a sliding window: the most positions a request holds blocks for at once, whatever its length.
         self.window_tokens = window_tokens
@@ -112,12 +113,16 @@ class Intake:
                 self.grammar_compiler.close()
 
     def build(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,
-              request_id: str | None = None, outputs=None) -> list[Request]:
+              request_id: str | None = None, outputs=None, lora_request=None) -> list[Request]:
         """A prompt's SamplingParams.n completions, one Request each (ids "<request_id>-<index>" when n > 1),
         checked first: a ValueError builds nothing. `outputs`: where their deltas go as they are confirmed (an
         object with `put`). Completions after the first wait for the first to have cached the prompt's blocks,
-        then share them."""
+        then share them. `lora_request`: the jaxspec.LoRARequest they run with (its adapter loaded into a slot
+        here, each completion holding it until it ends), or None."""
         grammar = self.validate(prompt_token_ids, params)
+        if lora_request is not None and self.adapters is None:
+            raise ValueError(f"lora_request {lora_request.lora_name!r} needs an engine built with enable_lora=True "
+                             "(--enable-lora)")
         with self._lock:   # ids and seeds in the order requests are built, from any thread
             request_id = request_id if request_id is not None else str(next(self._ids))
             seeds = [sp.seed if sp.seed is not None else int(self._rng.integers(0, 2**31 - 1))
@@ -135,6 +140,14 @@ class Intake:
             req.step_variant = StepVariant.of(sp)
             req.grammar = grammar
             req.logit_bias_row = bias_row
+            if lora_request is not None:   # (a ValueError here builds nothing: the slots taken so far go back)
+                try:
+                    req.lora_request, req.lora_slot = lora_request, self.adapters.acquire(lora_request)
+                except ValueError:
+                    for built in group:
+                        self.adapters.release(built.lora_slot)
+                    raise
+                req.row_ints, req.row_floats = request_values(req, self.vocab_size)
             if sp.prompt_logprobs is not None and index == 0:   # siblings share the prompt: one computes them
                 req.prompt_logprobs = [None]
             if outputs is not None:
@@ -143,6 +156,13 @@ class Intake:
                 req.prefix_leader = group[0]
             group.append(req)
         return group
+
+    def discard(self, group: list[Request]):
+        """A built group that will not be queued: the adapter slots its requests hold go back."""
+        for req in group:
+            if req.lora_slot:
+                self.adapters.release(req.lora_slot)
+                req.lora_slot = 0
 
     # ---- the hand-off to the loop ------------------------------------------------------------------
     def submit(self, group: list[Request]):

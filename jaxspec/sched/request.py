@@ -31,6 +31,8 @@ class Request:
     step_variant: Any = None        # decode.step.StepVariant: what this request needs of a compiled step
     grammar: Any = None             # structured outputs: its compiled TokenAutomaton (jaxspec.structured)
     logit_bias_row: Any = None      # its row of the device's logit-bias table (decode.runner.logit_bias_row), or None
+    lora_request: Any = None        # jaxspec.LoRARequest: the adapter it runs with, or None
+    lora_slot: int = 0              # that adapter's device slot while the request holds it (jaxspec.lora.slots)
     arrival_time: float = dataclasses.field(default_factory=time.perf_counter)
 
     status: Status = Status.WAITING
@@ -71,6 +73,11 @@ class Request:
     num_preemptions: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+
+    @property
+    def prefix_salt(self):
+        """What the prompt's KV depends on besides its tokens (the prefix cache keys blocks by it): its adapter."""
+        return None if self.lora_request is None else ("lora", self.lora_request.lora_int_id)
 
     @property
     def finished(self) -> bool:

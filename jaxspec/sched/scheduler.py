@@ -96,7 +96,8 @@ class Scheduler:
         prefill = req.prompt_token_ids + req.output_token_ids
         req.block_hashes = []
         # A request still needing prompt logprobs computes every prompt position: no cached prefix (as vLLM)
-        cached = [] if req.needs_prompt_logprobs else self.blocks.match_prefix(prefill, req.block_hashes)
+        cached = ([] if req.needs_prompt_logprobs
+                  else self.blocks.match_prefix(prefill, req.block_hashes, req.prefix_salt))
         start = len(cached) * self.blocks.block_size
         num_new = min(len(prefill) - start, budget)
         lookahead = self.draft_lookahead if start + num_new == len(prefill) else 0
@@ -163,7 +164,7 @@ class Scheduler:
         num_final = num_computed - self.blocks.key_overlap
         if num_final // self.blocks.block_size > len(req.block_hashes):
             tokens = req.prompt_token_ids + req.output_token_ids
-            self.blocks.cache_blocks(req.block_ids, tokens, req.block_hashes, num_final)
+            self.blocks.cache_blocks(req.block_ids, tokens, req.block_hashes, num_final, req.prefix_salt)
 
     def release_behind_window(self, row: ScheduledRow):
         """After `cache_confirmed`: with a sliding window, the request's blocks wholly before the window of the next

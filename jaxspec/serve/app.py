@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import json
 import time
 from contextlib import asynccontextmanager
@@ -55,6 +56,29 @@ class Server:
         self.jobs: set[Completions] = set()   # HTTP requests whose completions run
         self.draining = False     # shutting down: new HTTP requests are refused (http.ShutdownGate)
         self.accepting = True     # False once the grace period is over: nothing more enters the engine
+        # LoRA adapters served by name (--lora-modules, /v1/load_lora_adapter): a request's `model` picks one
+        self.lora_modules: dict = {}
+        self._lora_ids = itertools.count(1)
+        for name, path in self.options.lora_modules:
+            self.add_lora(name, path)
+
+    def add_lora(self, name: str, path: str):
+        """Serves the adapter at `path` as `name` (read and checked now: a bad one is a ValueError)."""
+        from jaxspec.lora import LoRARequest
+        from jaxspec.lora.peft import load_adapter
+        if self.llm.engine.adapters is None:
+            raise ValueError("LoRA adapters need a server started with --enable-lora")
+        if name == self.model_name or name in self.lora_modules:
+            raise ValueError(f"the name {name!r} is taken; give the adapter another")
+        adapters = self.llm.engine.adapters
+        load_adapter(path, self.llm.model.config, adapters.max_rank)   # refused here, not at its first request
+        self.lora_modules[name] = LoRARequest(name, next(self._lora_ids), path)
+
+    def remove_lora(self, name: str):
+        if name not in self.lora_modules:
+            raise ValueError(f"no adapter named {name!r} is served; served: {sorted(self.lora_modules)}")
+        self.llm.engine.adapters.remove(name)   # refused while requests run with it
+        del self.lora_modules[name]
 
     async def drain(self, grace: float):
         """Shutdown (SIGTERM): refuses new requests, lets the running ones finish for `grace` seconds, then aborts
@@ -74,14 +98,23 @@ class Server:
         while self.jobs and loop.time() < until:
             await asyncio.sleep(DRAIN_POLL_SECONDS)
 
-    def model_card(self) -> dict:
-        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "jaxspec",
-                "max_model_len": self.max_model_len}
+    def model_card(self, name: str | None = None) -> dict:
+        """The served model's card, or the adapter `name`'s (its `parent` the base model, its `root` its path)."""
+        card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "jaxspec",
+                "root": self.model_name, "parent": None, "max_model_len": self.max_model_len}
+        if name is not None and name != self.model_name:
+            card.update(id=name, root=self.lora_modules[name].lora_path, parent=self.model_name)
+        return card
 
     def check_model(self, model: str | None):
-        if model is not None and model != self.model_name:
-            raise APIError(404, f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
-                           "NotFoundError", "model")
+        """The LoRARequest a request's `model` names (None: the base model); an unknown name is a 404."""
+        if model is None or model == self.model_name:
+            return None
+        if model in self.lora_modules:
+            return self.lora_modules[model]
+        served = ", ".join(f"`{n}`" for n in [self.model_name, *self.lora_modules])
+        raise APIError(404, f"The model `{model}` does not exist; this server serves {served}.", "NotFoundError",
+                       "model")
 
     def check_length(self, prompt_len: int, max_tokens: int | None):
         """As OpenAI servers do: a request whose prompt and max_tokens exceed the context is refused."""
@@ -152,12 +185,36 @@ def _add_info_routes(app: FastAPI, server: Server):
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [server.model_card()]}
+        return {"object": "list", "data": [server.model_card(name) for name in [None, *server.lora_modules]]}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
         server.check_model(model_id)
-        return server.model_card()
+        return server.model_card(model_id)
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request):
+        body = await _json_body(request)
+        name, path = (body.get("lora_name"), body.get("lora_path")) if isinstance(body, dict) else (None, None)
+        if not isinstance(name, str) or not isinstance(path, str):
+            raise APIError(400, "give lora_name and lora_path (a PEFT adapter directory on the server)")
+        try:
+            await asyncio.to_thread(server.add_lora, name, path)
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+        return Response(f"Success: LoRA adapter '{name}' added successfully.", media_type="text/plain")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request):
+        body = await _json_body(request)
+        name = body.get("lora_name") if isinstance(body, dict) else None
+        if not isinstance(name, str):
+            raise APIError(400, "give lora_name")
+        try:
+            server.remove_lora(name)
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+        return Response(f"Success: LoRA adapter '{name}' removed successfully.", media_type="text/plain")
 
 
 def _add_tokenizer_routes(app: FastAPI, server: Server):

@@ -18,6 +18,7 @@ class ServeOptions:
     max_logprobs: int = DEFAULT_MAX_LOGPROBS   # logprobs / top_logprobs / prompt_logprobs above it are refused
     enable_auto_tool_choice: bool = False   # tool_choice "auto" (the default with tools) is served ...
     tool_call_parser: str | None = None     # ... by this parser
+    lora_modules: tuple = ()                # (name, PEFT directory) of each adapter served from the start
 
     def __post_init__(self):
         if not isinstance(self.max_logprobs, int) or not 0 <= self.max_logprobs <= MAX_LOGPROBS:
@@ -60,6 +61,9 @@ def add_serve_args(p: argparse.ArgumentParser):
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='serve tool_choice "auto" (the default when a request gives tools): the model decides '
                         "whether to call one, and --tool-call-parser finds the calls in its text")
+    p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                   help="--enable-lora: LoRA adapters (PEFT directories) served under their names: a request's "
+                        "`model` picks one")
     p.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
                    help="how tool calls are written in the model's text: hermes (<tool_call>{...}</tool_call>, "
                         "Qwen2.5's and Hermes' templates)")
@@ -68,5 +72,14 @@ def add_serve_args(p: argparse.ArgumentParser):
 def options_from_args(args) -> ServeOptions:
     """ServeOptions of parsed flags; a ValueError names the bad one."""
     template = load_chat_template(args.chat_template) if args.chat_template is not None else None
+    modules = []
+    for item in args.lora_modules:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora-modules {item!r} is invalid; give NAME=PATH (a PEFT adapter directory)")
+        modules.append((name, path))
+    if modules and not getattr(args, "enable_lora", False):
+        raise ValueError("--lora-modules needs --enable-lora")
     return ServeOptions(chat_template=template, max_logprobs=args.max_logprobs,
-                        enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser)
+                        enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
+                        lora_modules=tuple(modules))

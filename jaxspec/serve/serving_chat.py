@@ -35,14 +35,14 @@ class ChatPrompt:
 
 
 async def create_chat_completion(server: Server, body: ChatCompletionRequest, http: Request):
-    server.check_model(body.model)
+    lora = server.check_model(body.model)   # a LoRA adapter served under that name, or None
     if server.llm.tokenizer is None:
         raise APIError(400, "this model has no tokenizer, so it has no chat template")
     prompt = prepare(server, body)
     await server.compile_constraint(prompt.params)
-    job = Completions(server, [{"prompt_token_ids": prompt.prompt_ids}], prompt.params, http)
-    responses = Responses(f"chatcmpl-{http.state.request_id}", server.model_name, "chat.completion",
-                          "chat.completion.chunk")
+    job = Completions(server, [{"prompt_token_ids": prompt.prompt_ids}], prompt.params, http, lora)
+    responses = Responses(f"chatcmpl-{http.state.request_id}", lora.lora_name if lora else server.model_name,
+                          "chat.completion", "chat.completion.chunk")
     choices = ChatChoices(server.logprobs, body, prompt)
     if body.stream:
         return sse_response(stream_events(job, responses, body.stream_options, choices.streamed,

@@ -29,14 +29,14 @@ MASKED_LOGPROB = -9999.0
 class Completions:
     """One HTTP request's completions in the engine (every prompt's n), numbered as its response's choices."""
 
-    def __init__(self, server: Server, prompts: list, params, http_request: Request):
+    def __init__(self, server: Server, prompts: list, params, http_request: Request, lora_request=None):
         if not server.accepting:
             raise APIError(503, "the server is shutting down; send the request to another replica",
                            "ServiceUnavailableError")
         self.server, self.http = server, http_request
         self.sink = AsyncSink(asyncio.get_running_loop())
         try:
-            groups = server.llm.add_requests(prompts, params, outputs=self.sink)
+            groups = server.llm.add_requests(prompts, params, outputs=self.sink, lora_request=lora_request)
         except ValueError as e:
             raise APIError(400, str(e)) from None
         except RuntimeError as e:   # the engine loop has stopped

@@ -20,15 +20,16 @@ OBJECT = "text_completion"   # a whole response's and a chunk's alike
 
 
 async def create_completion(server: Server, body: CompletionRequest, http: Request):
-    server.check_model(body.model)
+    lora = server.check_model(body.model)   # a LoRA adapter served under that name, or None
     refuse_unsupported(body)
     # echo with max_tokens 0 scores the prompt alone (lm-eval's loglikelihood): one token is generated and
     # dropped, as vLLM does
     echo_only = body.echo and body.max_tokens == 0
     encoded, params = prepare(server, body, echo_only)
     await server.compile_constraint(params)
-    job = Completions(server, [{"prompt_token_ids": ids} for ids, _ in encoded], params, http)
-    responses = Responses(f"cmpl-{http.state.request_id}", server.model_name, OBJECT, OBJECT)
+    job = Completions(server, [{"prompt_token_ids": ids} for ids, _ in encoded], params, http, lora)
+    responses = Responses(f"cmpl-{http.state.request_id}", lora.lora_name if lora else server.model_name, OBJECT,
+                          OBJECT)
     choices = CompletionChoices(server.logprobs, body, job, encoded, echo_only)
     if body.stream:
         return sse_response(stream_events(job, responses, body.stream_options, choices.streamed, choices.tokens))

@@ -112,10 +112,10 @@ def write_kv(kv: dict, i, batch: ForwardBatch, k, v) -> dict:
             "v": kv["v"].at[i, batch.slot_mapping].set(to_kv_dtype(v, kv["v"].dtype), mode="drop")}
 
 
-def mlp(c, ops: Ops, lp, h):
-    """h + down(silu(gate) * up) of the normed h [T, D]."""
-    act = ops.linear(h, lp, "gate_up_proj", norm="mlp_norm", eps=c.rms_norm_eps)      # [T, F]
-    return ops.linear(act, lp, "down_proj", residual=h)
+def mlp(c, ops: Ops, lp, h, lora=None):
+    """h + down(silu(gate) * up) of the normed h [T, D]; `lora`: each token's adapter slot (`Ops.linear`)."""
+    act = ops.linear(h, lp, "gate_up_proj", norm="mlp_norm", eps=c.rms_norm_eps, lora=lora)      # [T, F]
+    return ops.linear(act, lp, "down_proj", residual=h, lora=lora)
 
 class Attention:
     """The Llama / Qwen2 / Qwen3 decoder layer: RMSNorm -> grouped-query attention over the paged KV -> residual
@@ -130,7 +130,8 @@ class Attention:
         return kv_state(c, cache)
 
     def __call__(self, c, ops, lp, h, state, i, batch):
-        qkv = ops.linear(h, lp, "qkv_proj", norm="attn_norm", eps=c.rms_norm_eps)      # [T, Hkv*(G+2)*hd]
-        out, state = attend_qkv(c, ops, lp, qkv, state, i, batch)                         # [T, Hq*hd]
-        h = ops.linear(out.astype(h.dtype), lp, "o_proj", residual=h)                     # h + attention
-        return mlp(c, ops, lp, h), state
+        lora = batch.lora_of_token      # each token's LoRA adapter slot, or None (no adapters)
+        qkv = ops.linear(h, lp, "qkv_proj", norm="attn_norm", eps=c.rms_norm_eps, lora=lora)   # [T, Hkv*(G+2)*hd]
+        out, state = attend_qkv(c, ops, lp, qkv, state, i, batch)                               # [T, Hq*hd]
+        h = ops.linear(out.astype(h.dtype), lp, "o_proj", residual=h, lora=lora)                # h + attention
+        return mlp(c, ops, lp, h, lora), state
