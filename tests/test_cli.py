@@ -47,6 +47,8 @@ BAD_ARGUMENTS = [
     ("bench", ["--speculative-config", SPEC_K0], 2, "num_speculative_tokens"),
     ("bench", ["--speculative-config", '{"method": "ngram"}', "--spec-method", "ngram"], 2, "--spec-method"),
     ("bench", ["--spec-method", "eagle3"], 2, "--draft-model"),
+    ("bench", ["--lora-mix"], 2, "--lora-mix"),
+    ("bench", ["--lora-modules", "sql"], 2, "NAME=PATH"),
     ("bench", ["--dataset", "sharegpt", "--dataset-path", "nope.json"], 2, "--dataset-path"),
     ("bench", ["--dataset", "random", "--dataset-path", "{file}"], 2, "--dataset-path"),
     ("bench", ["--base-url", "http://127.0.0.1:{closed}", "--num-prompts", "1"], 1, "--base-url"),

@@ -246,3 +246,45 @@ def test_the_server_serves_adapters_by_name_and_loads_and_unloads_them(lora_case
         assert complete(client, "qv").status_code == 404
         assert client.post("/v1/unload_lora_adapter", json={"lora_name": "qv"}).status_code == 400
         assert [c["id"] for c in client.get("/v1/models").json()["data"]] == ["base", "every"]
+
+
+def test_adapters_load_and_unload_while_requests_run(lora_case, lora_llm):
+    """A request runs with one adapter while another is loaded into the free slot and served; unloading the running
+    request's adapter is refused until it ends; both outputs are their adapters' tokens."""
+    from jaxspec import LoRARequest, SamplingParams
+    from jaxspec.lora.peft import AdapterError
+    base, adapters = lora_case
+    engine = lora_llm.engine
+    for name in engine.adapters.stats()["resident"]:   # start from empty slots
+        engine.adapters.remove(name)
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    long = engine.add_request(PROMPTS[0], params, lora_request=LoRARequest("every", 1, str(adapters["every"])))
+    for _ in range(3):
+        engine.step()
+    assert 0 < len(long.output_token_ids) < 30
+    (short,) = lora_llm.generate([PROMPTS[1]], SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True),
+                                 use_tqdm=False, lora_request=LoRARequest("qv", 2, str(adapters["qv"])))
+    assert list(short.outputs[0].token_ids) == _merged_greedy(base, adapters["qv"], PROMPTS[1], NEW_TOKENS)[0]
+    assert not long.finished
+    with pytest.raises(AdapterError, match="in use by 1 running request"):
+        engine.adapters.remove("every")
+    engine.run_until(lambda: long.finished)
+    assert long.output_token_ids == _merged_greedy(base, adapters["every"], PROMPTS[0], 30)[0]
+    assert engine.adapters.remove("every") and engine.adapters.stats()["resident"] == ["qv"]
+
+
+def test_seeded_sampling_with_an_adapter_is_the_same_with_and_without_speculation(lora_case, lora_llm):
+    """Seeded sampled tokens under an adapter do not depend on speculation: n-gram drafts verified with the adapter
+    (rejection sampling) give the tokens the plain engine samples."""
+    from jaxspec import LLM, LoRARequest, SamplingParams
+    base, adapters = lora_case
+    spec = LLM(str(base), dtype="float32", max_num_seqs=2, max_model_len=64, max_num_batched_tokens=32,
+               enable_lora=True, max_loras=1, max_lora_rank=8, warmup=False,
+               speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3})
+    adapter = LoRARequest("every", 1, str(adapters["every"]))
+    params = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=20, ignore_eos=True)
+    prompt = PROMPTS[0][:10] * 2
+    (plain,) = lora_llm.generate([prompt], params, use_tqdm=False, lora_request=adapter)
+    (drafted,) = spec.generate([prompt], params, use_tqdm=False, lora_request=adapter)
+    assert list(drafted.outputs[0].token_ids) == list(plain.outputs[0].token_ids)
+    assert spec.engine.stats()["spec"]["draft_tokens"] > 0

@@ -21,10 +21,11 @@ from jaxspec.cli_args import (ArgumentParser, add_engine_args, check_engine_conf
 # --async/--sync (--compare runs both).
 BENCH_ENGINE_FIELDS = ("dtype", "speculative_config", "max_model_len", "max_num_batched_tokens", "attention",
                        "delta_rule", "enable_prefix_caching", "warmup", "tensor_parallel_size", "quantization",
-                       "kv_cache_dtype", "seed")
+                       "kv_cache_dtype", "seed", "enable_lora", "max_loras", "max_lora_rank")
 
 # What --base-url leaves to the server (its own engine and speculation) or cannot do (no engine in this process).
-IN_PROCESS_ONLY = ("compare", "steady_state", "baseline", "profile", "save_workload", "spec_method", "draft_model",
+IN_PROCESS_ONLY = ("compare", "steady_state", "baseline", "profile", "save_workload", "lora_modules", "random_loras",
+                   "lora_mix", "spec_method", "draft_model",
                    "num_spec_tokens", "adaptive_spec", "speculative_config", "quantization")
 
 
@@ -55,6 +56,12 @@ def add_model_args(p):
     p.add_argument("--num-spec-tokens", type=int, default=None, help="speculative tokens per step (default 4)")
     p.add_argument("--adaptive-spec", action="store_true",
                    help="choose the speculation length per step in 0..--num-spec-tokens (SpeculativeConfig.adaptive)")
+    p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                   help="LoRA adapters (PEFT directories) the requests run with, in turn (implies --enable-lora)")
+    p.add_argument("--random-loras", type=int_at_least(0), default=0, metavar="N",
+                   help="N random adapters of rank --max-lora-rank on every projection, for --random-weights runs")
+    p.add_argument("--lora-mix", action="store_true",
+                   help="the base model takes its turn among the adapters (without it every request has one)")
 
 
 def add_workload_args(p):
@@ -144,6 +151,23 @@ def add_output_args(p):
     p.add_argument("--quiet", action="store_true")
 
 
+def check_lora_args(p: argparse.ArgumentParser, args):
+    """--lora-modules NAME=PATH pairs parsed into args.lora_modules [(name, path)]; adapters turn --enable-lora on and
+    raise --max-loras to their count (the bench runs them all at once)."""
+    modules = []
+    for item in args.lora_modules:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            p.error(f"--lora-modules {item!r} is invalid; give NAME=PATH (a PEFT adapter directory)")
+        modules.append((name, path))
+    args.lora_modules = modules
+    count = len(modules) + args.random_loras
+    if args.lora_mix and not count:
+        p.error("--lora-mix needs adapters: --lora-modules or --random-loras")
+    if count:
+        args.enable_lora, args.max_loras = True, max(args.max_loras, count)
+
+
 def check_args(p: argparse.ArgumentParser, args):
     """Every flag checked before anything loads (a bad one: one line, exit code 2). Sets args.structured,
     args.structured_report and args.spec (the speculative configuration, a dict, or None)."""
@@ -154,6 +178,7 @@ def check_args(p: argparse.ArgumentParser, args):
                         {"max_num_seqs": "--max-concurrency"})
     args.structured, args.structured_report = refuse_invalid(p, lambda: structured_from_args(args), {})
     check_dataset(p, args)
+    check_lora_args(p, args)
     for flag in ("--save-workload", "--json", "--plot", "--profile"):
         check_output_file(p, flag, getattr(args, flag[2:].replace("-", "_")))
     if args.base_url:

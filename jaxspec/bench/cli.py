@@ -149,6 +149,9 @@ def run_configuration(args, model, workload, async_scheduling: bool, spec: dict 
     label = f"{'async' if async_scheduling else 'sync'}{'+' + spec['method'] if spec else ''}"
     if not args.enable_prefix_caching:
         label += "+no-prefix-cache"
+    adapters = len(args.lora_modules) + args.random_loras
+    if adapters:
+        label += f"+{adapters}-lora{'-mix' if args.lora_mix else ''}"
     if args.structured is not None:
         label += "+" + args.structured.kind
         # its automaton and grammar steps, compiled before the clock starts

@@ -81,6 +81,34 @@ def device_step_time(engine, num_tokens: int, repeats: int = 20) -> float:
 
 
 
+def bench_adapters(args, model_config) -> list:
+    """The adapters the requests take turns with: --lora-modules', then --random-loras written once for this
+    model's shapes (under a temporary directory) -> [LoRARequest]."""
+    if getattr(args, "lora_requests", None) is None:
+        import tempfile
+
+        from jaxspec.lora import LoRARequest
+        from jaxspec.lora.peft import write_random_adapter
+        adapters = [LoRARequest(name, i + 1, path) for i, (name, path) in enumerate(args.lora_modules)]
+        if args.random_loras:
+            root = tempfile.mkdtemp(prefix="jaxspec-bench-loras-")
+            for i in range(args.random_loras):
+                path = write_random_adapter(model_config, f"{root}/random-{i}", args.max_lora_rank, seed=i)
+                adapters.append(LoRARequest(f"random-{i}", len(adapters) + 1, str(path)))
+        args.lora_requests = adapters
+    return args.lora_requests
+
+
+def request_adapters(args, llm, count: int):
+    """Each of `count` requests' LoRARequest in turn over the adapters (--lora-mix: the base model, None, takes a
+    turn too); None when the bench runs no adapters."""
+    adapters = bench_adapters(args, llm.model.config) if getattr(args, "enable_lora", False) else []
+    if not adapters:
+        return None
+    turn = ([None] if args.lora_mix else []) + adapters
+    return [turn[i % len(turn)] for i in range(count)]
+
+
 def run_config(llm, workload: Workload, args, label: str) -> dict:
     from jaxspec import SamplingParams
     so = getattr(args, "structured", None)   # a constrained request ends where its automaton accepts
@@ -89,7 +117,8 @@ def run_config(llm, workload: Workload, args, label: str) -> dict:
     engine = llm.engine
     start_steps = engine.counters["steps"]
     t0 = time.perf_counter()
-    outs = llm.generate(workload.prompts, params, use_tqdm=not args.quiet)
+    outs = llm.generate(workload.prompts, params, use_tqdm=not args.quiet,
+                        lora_request=request_adapters(args, llm, len(workload.prompts)))
     duration = time.perf_counter() - t0
     steps = engine.counters["steps"] - start_steps
     ttft = [o.metrics["ttft"] for o in outs if o.metrics["ttft"] is not None]
@@ -115,6 +144,8 @@ def run_config(llm, workload: Workload, args, label: str) -> dict:
     }
     if "spec" in engine.stats():
         res["spec"] = engine.stats()["spec"]
+    if "lora" in engine.stats():
+        res["lora"] = engine.stats()["lora"]
     return res
 
 
@@ -133,9 +164,11 @@ def steady_state(llm, args, batch: int) -> dict:
     if max_tokens < warm + timed + 8:
         raise SystemExit(f"--steady-state needs --max-model-len >= input_len + {warm + timed + 8 + 2 * (k + 1)} "
                          f"(got {engine.step_config.max_model_len})")
+    adapters = request_adapters(args, llm, batch) or [None] * batch
     reqs = [engine.add_request(rng.integers(0, vocab, args.input_len).tolist(),
-                               SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
-            for _ in range(batch)]
+                               SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+                               lora_request=adapter)
+            for adapter in adapters]
     while any(r.status is Status.WAITING or r.prefilling for r in reqs):
         engine.step()
     for _ in range(warm):

@@ -184,3 +184,32 @@ def _layer_numbers(model_config) -> list[tuple[str, int]]:
         out.append((kind, seen.get(kind, 0)))
         seen[kind] = seen.get(kind, 0) + 1
     return out
+
+
+def write_random_adapter(model_config, path: str | os.PathLike, rank: int, seed: int = 0, alpha: float | None = None,
+                         scale: float = 0.02) -> Path:
+    """A PEFT LoRA adapter of random A and B (normal, std `scale`) on every projection LoRA can target, for this base
+    model's shapes, written at `path` as peft's save_pretrained lays it out: benchmarks over random weights have no
+    adapters to download."""
+    from safetensors.numpy import save_file
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    modules, tensors = set(), {}
+    rules = families.LAYER_TENSORS[model_config.arch]
+    shapes = lora_shapes(model_config, rank)
+    for layer, (kind, _) in enumerate(_layer_numbers(model_config)):
+        for name, (a_shape, b_shape, n) in shapes.get(kind, {}).items():
+            rule = rules[kind][name]
+            counts = [b_shape[1]] if rule.combine is None else _row_counts(model_config, rule)
+            for tensor, rows in zip(rule.names(model_config), counts):
+                module = tensor.removesuffix(".weight")
+                modules.add(module.rsplit(".", 1)[-1])
+                key = f"base_model.model.model.layers.{layer}.{module}"
+                tensors[key + ".lora_A.weight"] = (scale * rng.standard_normal((rank, a_shape[-1]))).astype(np.float32)
+                tensors[key + ".lora_B.weight"] = (scale * rng.standard_normal((rows, rank))).astype(np.float32)
+    save_file(tensors, str(path / ADAPTER_WEIGHTS))
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha or rank, "target_modules": sorted(modules),
+              "bias": "none", "use_rslora": False, "use_dora": False, "fan_in_fan_out": False, "task_type": "CAUSAL_LM"}
+    (path / ADAPTER_CONFIG).write_text(json.dumps(config, indent=1))
+    return path
