@@ -14,6 +14,10 @@ that context (in one pass, the first requests' tokens would wait on the others' 
     python3 benchmarks/end_to_end/long_prompts.py --model qwen2.5-coder-1.5b-instruct --random-weights \
         --runs 1x2048 1x8192 1x32768 8x8192 --max-num-batched-tokens 2048 --json out.json
 
+`--interference 8x32704`: 8 requests of 128-token prompts decode while one 32,704-token prompt arrives and prefills;
+reported: their inter-token latency before it arrived and while it prefilled (median, p99, max: the TPOT bound of
+running requests under a long prompt, chunked by the step's token budget) and its TTFT.
+
 JAXSPEC_PREFILL_ATTENTION_FROM_TOKENS=0 keeps every step on the per-token kernel (the prefill kernel's before);
 --fused-pages-per-split 0 the decode kernel's split count of short contexts; --kv-cache-dtype fp8 the fp8 KV cache.
 """
@@ -81,9 +85,49 @@ def summarise(count: int, tokens: int, ttfts: list[float], cached_ttfts: list[fl
     return row
 
 
+def interference(llm, rng, vocab: int, decoders: int, tokens: int) -> dict:
+    """`decoders` requests decoding while one prompt of `tokens` tokens arrives and prefills: their inter-token
+    latencies before it came and while it prefilled, and its TTFT."""
+    import numpy as np
+
+    from jaxspec import SamplingParams
+    engine = llm.engine
+    room = engine.step_config.max_model_len - 128 - 1
+    running = [engine.add_request(p["prompt_token_ids"], SamplingParams(temperature=0.0, max_tokens=room,
+                                                                       ignore_eos=True))
+               for p in prompts_for(rng, vocab, decoders, 128)]
+    while any(len(r.output_token_ids) < 8 for r in running):
+        engine.step()
+    arrived = time.perf_counter()
+    long = engine.add_request(prompts_for(rng, vocab, 1, tokens)[0]["prompt_token_ids"],
+                              SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+    while not long.output_token_ids:
+        engine.step()
+    first = long.token_times[0]
+    for r in running:
+        engine.abort(r.request_id)
+    engine.run_until(lambda: long.finished and all(r.finished for r in running))
+
+    def gaps(lo, hi):
+        return [b - a for r in running for a, b in zip(r.token_times, r.token_times[1:]) if lo <= b <= hi]
+    before, during = gaps(0.0, arrived), gaps(arrived, first)
+    stat = lambda g: {"median_ms": 1e3 * float(np.median(g)), "p99_ms": 1e3 * float(np.percentile(g, 99)),  # noqa: E731
+                      "max_ms": 1e3 * float(np.max(g))} if g else None
+    row = {"decoders": decoders, "prompt_tokens": tokens, "ttft_s": first - arrived, "itl_before": stat(before),
+           "itl_during_prefill": stat(during)}
+    print(f"{decoders} decoding while {tokens} tokens prefill: TTFT {row['ttft_s']:.3f} s; their ITL median / p99 / "
+          f"max {row['itl_before']['median_ms']:.2f} / {row['itl_before']['p99_ms']:.2f} / "
+          f"{row['itl_before']['max_ms']:.2f} ms before, {row['itl_during_prefill']['median_ms']:.2f} / "
+          f"{row['itl_during_prefill']['p99_ms']:.2f} / {row['itl_during_prefill']['max_ms']:.2f} ms during",
+          flush=True)
+    return row
+
+
 def main():
     p = common_args(__doc__)
     p.add_argument("--warmup", default="fast")
+    p.add_argument("--interference", type=parse_run, nargs="*", default=[], metavar="DECODERSxTOKENS",
+                   help="DECODERS requests decoding while one prompt of TOKENS tokens prefills (module docstring)")
     p.add_argument("--fused-pages-per-split", type=int, default=None,
                    help="jaxspec.pallas.paged_attention.FUSED_PAGES_PER_SPLIT (0: decode splits as for short contexts)")
     args = p.parse_args()
@@ -100,7 +144,9 @@ def main():
         model = random_model(args.model, dtype=args.dtype, seed=0)
     budget = {} if args.max_num_batched_tokens is None else {"max_num_batched_tokens": args.max_num_batched_tokens}
     t0 = time.perf_counter()
-    llm = LLM(model, dtype=args.dtype, max_num_seqs=max(c for c, _ in args.runs), max_model_len=max_model_len(args),
+    most = max([c for c, _ in args.runs] + [d + 1 for d, _ in args.interference])
+    longest = max([n for _, n in args.runs] + [n for _, n in args.interference])
+    llm = LLM(model, dtype=args.dtype, max_num_seqs=most, max_model_len=longest + args.output_len + 16,
               warmup=args.warmup, kv_cache_dtype=args.kv_cache_dtype, **budget)
     llm.engine.wait_compiled()
     startup_s = time.perf_counter() - t0
@@ -117,12 +163,13 @@ def main():
         rows.append(summarise(count, tokens, [o.metrics["ttft"] for o in prefill], [o.metrics["ttft"] for o in outs],
                               [o.metrics["tpot"] for o in outs if o.metrics["tpot"] is not None],
                               [list(o.token_ids) for o in outs]))
+    interfered = [interference(llm, rng, vocab, d, n) for d, n in args.interference]
     result = {"engine": "jaxspec", "model": args.model, "random_weights": args.random_weights, "dtype": args.dtype,
               "max_num_batched_tokens": llm.engine.config.max_num_batched_tokens,
-              "max_model_len": max_model_len(args),
+              "max_model_len": llm.engine.step_config.max_model_len,
               "prefill_attention_from_tokens": llm.engine.runner.ops.prefill_attention_from_tokens,
               "fused_pages_per_split": pa.FUSED_PAGES_PER_SPLIT,
-              "kv_cache": llm.engine.kv_cache(), "startup_s": startup_s, "rows": rows}
+              "kv_cache": llm.engine.kv_cache(), "startup_s": startup_s, "rows": rows, "interference": interfered}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
