@@ -103,7 +103,8 @@ def test_each_adapter_and_a_mixed_batch_give_peft_tokens(lora_case, lora_llm):
     in one batch (one compiled step, each row its own slot); the adapters change the output."""
     from jaxspec import LoRARequest, SamplingParams
     base, adapters = lora_case
-    requests = {"every": LoRARequest("every", 1, str(adapters["every"])), "qv": LoRARequest("qv", 2, str(adapters["qv"]))}
+    requests = {"every": LoRARequest("every", 1, str(adapters["every"])),
+                "qv": LoRARequest("qv", 2, str(adapters["qv"]))}
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     want = {(name, i): _merged_greedy(base, adapters.get(name), p, NEW_TOKENS)[0]
             for name in (None, "every", "qv") for i, p in enumerate(PROMPTS)}

@@ -33,9 +33,11 @@ CASES = {   # rows' (tokens this step, first position), and padding
 
 
 @pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("num_kv_heads,group,head_dim", [(2, 3, 16), (1, 1, 8), (2, 6, 32)])
-def test_prefill_kernel_matches_reference(case, num_kv_heads, group, head_dim):
-    """q_tile 16 so that chunks cross tiles; a row's tokens see the pool's earlier keys and the chunk's own."""
+@pytest.mark.parametrize("num_kv_heads,group,head_dim,heads", [(2, 3, 16, 1), (1, 1, 8, 1), (2, 6, 32, 1),
+                                                               (2, 3, 16, 3), (2, 6, 32, 2)])
+def test_prefill_kernel_matches_reference(case, num_kv_heads, group, head_dim, heads):
+    """q_tile 16 so that chunks cross tiles; a row's tokens see the pool's earlier keys and the chunk's own. One
+    program per query head, and per several of a kv head's (`heads`: each page group read once for them)."""
     row_tokens, row_starts, padding = CASES[case]
     rng = np.random.default_rng(num_kv_heads * 10 + group)
     layers, block_size, num_blocks, max_blocks = 2, 4, 96, 19
@@ -51,7 +53,7 @@ def test_prefill_kernel_matches_reference(case, num_kv_heads, group, head_dim):
     for layer, order in ((0, None), (1, None), (1, starts)):
         out = prefill_attention(q, k_pool, v_pool, jnp.int32(layer), batch.positions, batch.first_in_step,
                                 batch.row_of_token, batch.block_tables, block_size=block_size, q_tile=16,
-                                interpret=True, starts=order)
+                                heads_per_program=heads, interpret=True, starts=order)
         ref = paged_attention_reference(q, k_pool, v_pool, layer, batch, block_size)
         real = np.asarray(batch.positions) >= 0
         np.testing.assert_allclose(np.asarray(out)[real], np.asarray(ref)[real], rtol=1e-5, atol=1e-5)
@@ -69,13 +71,14 @@ def test_prefill_kernel_with_a_window_and_sinks_matches_reference(window, sinks)
     k_pool, v_pool = (jnp.asarray(rng.standard_normal((1, 64 * block_size, 2, 16)), jnp.float32) for _ in range(2))
     q = jnp.asarray(rng.standard_normal((T, 6, 16)), jnp.float32)
     sink_logits = jnp.asarray(rng.standard_normal(6) * 2, jnp.float32) if sinks else None
-    run = lambda w, s: prefill_attention(q, k_pool, v_pool, jnp.int32(0), batch.positions, batch.first_in_step,  # noqa: E731
-                                         batch.row_of_token, batch.block_tables, block_size=block_size, q_tile=16,
-                                         interpret=True, window=w, sinks=s)
-    out = run(window, sink_logits)
+    run = lambda w, s, heads=1: prefill_attention(  # noqa: E731
+        q, k_pool, v_pool, jnp.int32(0), batch.positions, batch.first_in_step, batch.row_of_token, batch.block_tables,
+        block_size=block_size, q_tile=16, heads_per_program=heads, interpret=True, window=w, sinks=s)
     ref = paged_attention_reference(q, k_pool, v_pool, 0, batch, block_size, window, sink_logits)
     real = np.asarray(batch.positions) >= 0
-    np.testing.assert_allclose(np.asarray(out)[real], np.asarray(ref)[real], rtol=1e-5, atol=1e-5)
+    for heads in (1, 3):   # one program per query head, or per kv head (its 3 query heads)
+        out = run(window, sink_logits, heads)
+        np.testing.assert_allclose(np.asarray(out)[real], np.asarray(ref)[real], rtol=1e-5, atol=1e-5)
     plain = np.asarray(run(None, None))[real]
     assert np.abs(plain - np.asarray(out)[real]).max() > 1e-2
 
@@ -87,10 +90,13 @@ def test_tiles_start_at_each_rows_first_token_and_every_q_tile_after():
     np.testing.assert_array_equal(np.asarray(starts), [0, 2, 4, 5, 6, 8, 10, 10])
 
 
-def test_a_forward_whose_steps_take_the_prefill_kernel_matches_the_reference_forward():
+@pytest.mark.parametrize("heads_per_program", [1, 2])
+def test_a_forward_whose_steps_take_the_prefill_kernel_matches_the_reference_forward(heads_per_program, monkeypatch):
     """A step of at least `prefill_attention_from_tokens` tokens writes its k/v by XLA's scatter and attends with the
     query tiles (not the fused kernel); its logits equal the reference attention's, and a smaller step keeps the
-    fused kernel."""
+    fused kernel. With HEADS_PER_PROGRAM 2, a kv head's two query heads share a program."""
+    import jaxspec.pallas.prefill_attention as prefill
+    monkeypatch.setattr(prefill, "HEADS_PER_PROGRAM", heads_per_program)
     from jaxspec.models.config import ModelConfig
     from jaxspec.models.random import random_params
     from jaxspec.nn import CacheShape, Decoder, Ops, schema

@@ -128,12 +128,17 @@ def main():
     p.add_argument("--warmup", default="fast")
     p.add_argument("--interference", type=parse_run, nargs="*", default=[], metavar="DECODERSxTOKENS",
                    help="DECODERS requests decoding while one prompt of TOKENS tokens prefills (module docstring)")
+    p.add_argument("--prefill-heads-per-program", type=int, default=None,
+                   help="jaxspec.pallas.prefill_attention.HEADS_PER_PROGRAM (1: one program per query head)")
     p.add_argument("--fused-pages-per-split", type=int, default=None,
                    help="jaxspec.pallas.paged_attention.FUSED_PAGES_PER_SPLIT (0: decode splits as for short contexts)")
     args = p.parse_args()
     import jaxspec.pallas.paged_attention as pa
+    import jaxspec.pallas.prefill_attention as prefill
     if args.fused_pages_per_split is not None:
         pa.FUSED_PAGES_PER_SPLIT = args.fused_pages_per_split
+    if args.prefill_heads_per_program is not None:
+        prefill.HEADS_PER_PROGRAM = args.prefill_heads_per_program
 
     import numpy as np
 
@@ -168,7 +173,7 @@ def main():
               "max_num_batched_tokens": llm.engine.config.max_num_batched_tokens,
               "max_model_len": llm.engine.step_config.max_model_len,
               "prefill_attention_from_tokens": llm.engine.runner.ops.prefill_attention_from_tokens,
-              "fused_pages_per_split": pa.FUSED_PAGES_PER_SPLIT,
+              "fused_pages_per_split": pa.FUSED_PAGES_PER_SPLIT, "prefill_heads_per_program": prefill.HEADS_PER_PROGRAM,
               "kv_cache": llm.engine.kv_cache(), "startup_s": startup_s, "rows": rows, "interference": interfered}
     if args.json:
         with open(args.json, "w") as f:

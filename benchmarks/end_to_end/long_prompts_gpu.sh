@@ -19,7 +19,7 @@ case "$step" in
       tests/gpu/test_kv_cache_fp8_gpu.py 2>&1 | tail -15 ;;
   kernels)
     timeout 150 python3 benchmarks/kernels/bench_prefill_attention.py --contexts 8192 32768 --chunks 512 2048 \
-      --q-tiles 32 64 128 --iters 5 --json $OUT/prefill_kernel.json 2>&1 | grep -v "^W0000\|^I0000" | tail -40
+      --q-tiles 16 32 64 128 --heads 1 2 6 --iters 5 --json $OUT/prefill_kernel.json 2>&1 | grep -v "^W0000\|^I0000" | tail -40
     timeout 120 python3 benchmarks/kernels/bench_decode_attention.py --contexts 1024 8192 32768 --batches 1 8 32 \
       --iters 10 --json $OUT/decode_kernel.json 2>&1 | grep -v "^W0000\|^I0000" | tail -40 ;;
   jaxspec)

@@ -6,8 +6,10 @@ microseconds per layer, the attention's TFLOP/s (causal: 4 * T * (C - T/2) * Hq 
 difference between the kernels relative to the output's largest value.
 
     python3 benchmarks/kernels/bench_prefill_attention.py [--contexts 2048 8192 32768] [--chunks 512 2048] [--json f]
+        [--q-tiles 16 32 64] [--heads 1 2 6]     # query heads per program: a kv head's share each page group read
 """
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -28,7 +30,7 @@ def timed(fn, iters: int) -> float:
     return (time.perf_counter() - t0) / iters
 
 
-def case(shape: str, context: int, chunk: int, q_tile: int, iters: int) -> dict:
+def case(shape: str, context: int, chunk: int, q_tile: int, iters: int, heads: int = 1) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
@@ -45,14 +47,15 @@ def case(shape: str, context: int, chunk: int, q_tile: int, iters: int) -> dict:
     positions = jnp.arange(context - chunk, context, dtype=jnp.int32)
     rows, first = jnp.zeros(chunk, jnp.int32), jnp.zeros(chunk, jnp.int32)
     layer = jnp.int32(1)
-    tiles = lambda: prefill_attention(q, k_pool, v_pool, layer, positions, first, rows, tables, block_size=bs,  # noqa: E731
-                                      q_tile=q_tile)
+    tiles = lambda: prefill_attention(  # noqa: E731
+        q, k_pool, v_pool, layer, positions, first, rows, tables, block_size=bs, q_tile=q_tile, heads_per_program=heads)
     per_token = lambda: paged_attention(q, k_pool, v_pool, layer, positions, rows, tables, block_size=bs)  # noqa: E731
     a, b = tiles().astype(jnp.float32), per_token().astype(jnp.float32)
     diff = float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
     flop = 4 * chunk * (context - chunk / 2) * Hkv * G * hd
     t_tiles, t_token = timed(tiles, iters), timed(per_token, iters)
-    return {"shape": shape, "context": context, "chunk": chunk, "q_tile": q_tile, "tiles_us": 1e6 * t_tiles,
+    return {"shape": shape, "context": context, "chunk": chunk, "q_tile": q_tile, "heads_per_program": heads,
+            "tiles_us": 1e6 * t_tiles,
             "per_token_us": 1e6 * t_token, "speedup": t_token / t_tiles, "tiles_tflops": flop / t_tiles / 1e12,
             "per_token_tflops": flop / t_token / 1e12, "max_rel_diff": diff}
 
@@ -63,6 +66,8 @@ def main():
     p.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192, 32768])
     p.add_argument("--chunks", type=int, nargs="+", default=[512, 2048])
     p.add_argument("--q-tiles", type=int, nargs="+", default=[64])
+    p.add_argument("--heads", type=int, nargs="+", default=[1],
+                   help="query heads per program (a kv head's: divisors of the group; 1: one per query head)")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--json")
     args = p.parse_args()
@@ -70,12 +75,13 @@ def main():
     for shape in args.shapes:
         for context in args.contexts:
             for chunk in args.chunks:
-                for q_tile in args.q_tiles:
-                    if chunk > context:
+                for q_tile, heads in itertools.product(args.q_tiles, args.heads):
+                    if chunk > context or SHAPES[shape][1] % heads:
                         continue
-                    r = case(shape, context, chunk, q_tile, args.iters)
+                    r = case(shape, context, chunk, q_tile, args.iters, heads)
                     rows.append(r)
-                    print(f"{shape:>13} C={context:>6} T={chunk:>5} q_tile={q_tile:>3}: tiles {r['tiles_us']:9.1f} us "
+                    print(f"{shape:>13} C={context:>6} T={chunk:>5} q_tile={q_tile:>3} heads={heads}: "
+                          f"tiles {r['tiles_us']:9.1f} us "
                           f"({r['tiles_tflops']:5.1f} TFLOP/s)  per-token {r['per_token_us']:9.1f} us "
                           f"({r['per_token_tflops']:5.1f})  x{r['speedup']:.2f}  diff {r['max_rel_diff']:.1e}",
                           flush=True)

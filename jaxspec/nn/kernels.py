@@ -120,9 +120,11 @@ def paged_attention_fn(q, k_pool, v_pool, layer, batch, block_size: int, window:
 def prefill_attention_fn(q, k_pool, v_pool, layer, batch, block_size: int, window: int | None = None, sinks=None):
     """`Ops.attend` over the prefill kernel's query tiles (the batch's `first_in_step` set): as `paged_attention_fn`."""
     positions = jnp.where(batch.slot_mapping < k_pool.shape[1], batch.positions, -1)
+    group = q.shape[1] // k_pool.shape[2]
+    heads = max(h for h in range(1, min(group, prefill.HEADS_PER_PROGRAM) + 1) if group % h == 0)
     return prefill.prefill_attention(q, k_pool, v_pool, jnp.asarray(layer, jnp.int32), positions, batch.first_in_step,
-                                     batch.row_of_token, batch.block_tables, block_size=block_size, window=window,
-                                     sinks=sinks)
+                                     batch.row_of_token, batch.block_tables, block_size=block_size,
+                                     heads_per_program=heads, window=window, sinks=sinks)
 
 
 def fused_attention_fn(c, lp, qkv, cos, sin, k_pool, v_pool, layer, batch, block_size: int,

@@ -1,5 +1,6 @@
 """Paged attention for prefill chunks: one program per (query tile, query head), where a query tile is up to `q_tile`
-consecutive tokens of one row. The program streams the row's KV pages once for the whole tile, a few pages at a
+consecutive tokens of one row (or per (query tile, kv head) with `heads_per_program`: a kv head's query heads share
+each page group read). The program streams the row's KV pages once for the whole tile, a few pages at a
 time, with an online softmax, and stops at the tile's furthest position (causal: later pages are never read).
 
 The decode kernel (jaxspec.pallas.paged_attention) runs one program per token, each walking the row's whole context
@@ -26,6 +27,10 @@ from jax.experimental.pallas import triton as plgpu
 from jaxspec.pallas.common import interpreted, next_pow2, page_group, softmax_update
 
 Q_TILE = 64          # query tokens per program: the matrix unit's rows for one head
+# Query heads per program (`prefill_attention`'s heads_per_program; the group's divisor at most this): 1, the measured
+# default (docs/lab/2026-12-07-long-prompts-gpu.md), reads each K/V page group once per query head; more read it once
+# for that many heads of a kv head, not yet timed on a GPU (benchmarks/kernels/bench_prefill_attention.py --heads).
+HEADS_PER_PROGRAM = 1
 PAGES_PER_ITER = 4   # pages each loop iteration loads at once (4 x 16 keys)
 
 
@@ -41,13 +46,15 @@ def tile_starts(first_in_step, positions, q_tile: int, max_tiles: int):
 
 def _kernel(layer_ref, window_ref, start_ref, pos_ref, first_ref, row_ref, tables_ref, sinks_ref, q_ref, k_ref, v_ref,
             o_ref, *, block_size: int, max_blocks: int, num_tokens: int, scale: float, group: int, q_tile: int,
-            head_dim: int, pages_per_iter: int, has_window: bool, has_sinks: bool):
-    i, h = pl.program_id(0), pl.program_id(1)
+            head_dim: int, pages_per_iter: int, heads: int, has_window: bool, has_sinks: bool):
+    """Program (i, hg): tile i's tokens for the query heads hg*heads .. hg*heads+heads-1 (one kv head's), each K/V
+    page group read once for all of them."""
+    i, hg = pl.program_id(0), pl.program_id(1)
     t0 = start_ref[i]
 
     @pl.when(t0 < num_tokens)
     def _tile():
-        layer, row, kv_head = layer_ref[0], row_ref[t0], h // group
+        layer, row, kv_head = layer_ref[0], row_ref[t0], (hg * heads) // group
         window = window_ref[0] if has_window else None
         tokens = pl.ds(t0, q_tile)
         in_range = t0 + jax.lax.broadcasted_iota(jnp.int32, (q_tile,), 0) < num_tokens
@@ -57,7 +64,8 @@ def _kernel(layer_ref, window_ref, start_ref, pos_ref, first_ref, row_ref, table
         mine = in_range & (first == first_ref[t0]) & (pos >= 0)
         pos = jnp.where(mine, pos, -1)
         rows = jnp.broadcast_to(mine[:, None], (q_tile, head_dim))
-        q = plgpu.load(q_ref.at[tokens, h, :], mask=rows, other=0.0)                   # [q_tile, hd]
+        head_ids = [hg * heads + g for g in range(heads)]
+        qs = [plgpu.load(q_ref.at[tokens, h, :], mask=rows, other=0.0) for h in head_ids]    # [q_tile, hd] each
         last = jnp.max(pos)
         num_pages = jnp.minimum(last // block_size + 1, max_blocks)
         keys = pages_per_iter * block_size
@@ -66,45 +74,54 @@ def _kernel(layer_ref, window_ref, start_ref, pos_ref, first_ref, row_ref, table
             lo = jnp.maximum(jnp.min(jnp.where(mine, pos, last)) - (window - 1), 0) // keys
 
         def pages(j, carry):
-            o, m, l = carry
-            k, v = page_group(tables_ref, k_ref, v_ref, layer, row, kv_head, j, pages_per_iter, num_pages, q.dtype)
-            s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
-            key_pos = j * keys + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
+            k, v = page_group(tables_ref, k_ref, v_ref, layer, row, kv_head, j, pages_per_iter, num_pages,
+                              qs[0].dtype)
+            key_pos = j * keys + jax.lax.broadcasted_iota(jnp.int32, (q_tile, keys), 1)
             visible = key_pos <= pos[:, None]
             if window is not None:
                 visible &= key_pos > pos[:, None] - window
-            m_new, correction, p, l = softmax_update(m, l, jnp.where(visible, s, -1e30))
-            o = o * correction[:, None] + jax.lax.dot_general(
-                p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-            return o, m_new, l
+            out = []
+            for q, (o, m, l) in zip(qs, carry):    # the page group's keys and values, once for every head
+                s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
+                m_new, correction, p, l = softmax_update(m, l, jnp.where(visible, s, -1e30))
+                o = o * correction[:, None] + jax.lax.dot_general(
+                    p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+                out.append((o, m_new, l))
+            return tuple(out)
 
-        if has_sinks:   # the head's sink logit counted once: max = the sink, sum = exp(0); it adds nothing to o
-            sink = sinks_ref[h].astype(jnp.float32)
-            m0, l0 = jnp.full((q_tile,), sink, jnp.float32), jnp.ones((q_tile,), jnp.float32)
-        else:
-            m0, l0 = jnp.full((q_tile,), -1e30, jnp.float32), jnp.zeros((q_tile,), jnp.float32)
-        init = (jnp.zeros((q_tile, head_dim), jnp.float32), m0, l0)
+        def start(h):
+            o0 = jnp.zeros((q_tile, head_dim), jnp.float32)
+            if has_sinks:   # the head's sink logit counted once: max = the sink, sum = exp(0); it adds nothing to o
+                sink = sinks_ref[h].astype(jnp.float32)
+                return o0, jnp.full((q_tile,), sink, jnp.float32), jnp.ones((q_tile,), jnp.float32)
+            return o0, jnp.full((q_tile,), -1e30, jnp.float32), jnp.zeros((q_tile,), jnp.float32)
+
         num_iters = pl.cdiv(num_pages, pages_per_iter)
-        o, _, l = jax.lax.fori_loop(lo, jnp.maximum(num_iters, lo), pages, init)
-        o = o / jnp.maximum(l, 1e-30)[:, None]
-        plgpu.store(o_ref.at[tokens, h, :], o.astype(o_ref.dtype), mask=rows)
+        carry = jax.lax.fori_loop(lo, jnp.maximum(num_iters, lo), pages, tuple(start(h) for h in head_ids))
+        for h, (o, _, l) in zip(head_ids, carry):
+            o = o / jnp.maximum(l, 1e-30)[:, None]
+            plgpu.store(o_ref.at[tokens, h, :], o.astype(o_ref.dtype), mask=rows)
 
 
-@functools.partial(jax.jit, static_argnames=("block_size", "q_tile", "interpret"))
+@functools.partial(jax.jit, static_argnames=("block_size", "q_tile", "heads_per_program", "interpret"))
 def prefill_attention(q, k_pool, v_pool, layer, positions, first_in_step, row_of_token, block_tables, *,
-                      block_size: int, q_tile: int = Q_TILE, interpret: bool | None = None, window=None,
-                      sinks=None, starts=None):
+                      block_size: int, q_tile: int = Q_TILE, heads_per_program: int = 1, interpret: bool | None = None,
+                      window=None, sinks=None, starts=None):
     """q [T, Hq, hd]; k_pool/v_pool [L, S, Hkv, hd] with this step's k/v already written; layer: i32 scalar;
     positions [T] (-1: padding, which attends to nothing and is left 0); first_in_step [T]: the index in T of the
     token's row's first token this step (the step's rows contiguous at consecutive positions); row_of_token [T];
     block_tables [R, MB] (-1: no block). Each token attends to its row's keys at positions <= its own (and, with a
     sliding `window`, an i32 scalar, > its own - window: the pages before it are not read). `sinks`: f32 [Hq], each
     query head's attention-sink logit, or None. `starts`: the tiles' first tokens, i32 [n] (None: `tile_starts`, with
-    room for the most tiles; GPU programs run in no order, so any order gives the same output). -> [T, Hq*hd]."""
+    room for the most tiles; GPU programs run in no order, so any order gives the same output). `heads_per_program`:
+    query heads one program takes, all of one kv head's (a divisor of the group): each K/V page group is read once for
+    them (1: one program per query head). -> [T, Hq*hd]."""
     interpret = interpreted(interpret)
     T, Hq, hd = q.shape
     L, S, Hkv, _ = k_pool.shape
     R, MB = block_tables.shape
+    if (Hq // Hkv) % heads_per_program:
+        raise ValueError(f"heads_per_program={heads_per_program} must divide the {Hq // Hkv} query heads of a kv head")
     q_tile = min(q_tile, max(16, next_pow2(T)))
     # the most tiles: every row's last tile may be partial
     if starts is None:
@@ -120,7 +137,7 @@ def prefill_attention(q, k_pool, v_pool, layer, positions, first_in_step, row_of
     pad = lambda x, value=0: jnp.pad(x, [(0, spare)] + [(0, 0)] * (x.ndim - 1), constant_values=value)  # noqa: E731
     pages = (L, S // block_size, block_size, Hkv, hd)
     kernel = functools.partial(_kernel, block_size=block_size, max_blocks=MB, num_tokens=T, scale=hd ** -0.5,
-                               group=Hq // Hkv, q_tile=q_tile, head_dim=hd, pages_per_iter=P,
+                               group=Hq // Hkv, q_tile=q_tile, head_dim=hd, pages_per_iter=P, heads=heads_per_program,
                                has_window=window is not None, has_sinks=sinks is not None)
     ins = [jnp.reshape(layer, (1,)).astype(jnp.int32),
            jnp.reshape(jnp.asarray(0 if window is None else window, jnp.int32), (1,)),
@@ -133,7 +150,7 @@ def prefill_attention(q, k_pool, v_pool, layer, positions, first_in_step, row_of
     params = {} if interpret else dict(compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2))
     out = pl.pallas_call(
         kernel,
-        grid=(starts.shape[0], Hq),
+        grid=(starts.shape[0], Hq // heads_per_program),
         in_specs=[whole(x.shape) for x in ins],
         out_specs=whole(out_shape.shape),
         out_shape=out_shape,

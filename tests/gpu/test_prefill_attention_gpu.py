@@ -10,9 +10,10 @@ from jaxspec.pallas.prefill_attention import prefill_attention
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("context", [8192, 32768])
-def test_a_chunk_at_the_end_of_a_long_context(context):
-    """Relative to the output's largest value (bf16 inputs, float32 reference)."""
+@pytest.mark.parametrize("context,heads,q_tile", [(8192, 1, 64), (32768, 1, 64), (32768, 3, 32), (32768, 6, 16)])
+def test_a_chunk_at_the_end_of_a_long_context(context, heads, q_tile):
+    """Relative to the output's largest value (bf16 inputs, float32 reference); one program per query head, and per
+    3 or all 6 of a kv head's."""
     rng = np.random.default_rng(context)
     Hkv, G, hd, bs, T = 2, 6, 128, 16, 512
     blocks = context // bs + 1
@@ -23,7 +24,7 @@ def test_a_chunk_at_the_end_of_a_long_context(context):
     batch = ForwardBatch(None, positions, None, jnp.zeros(T, jnp.int32), tables, None,
                          first_in_step=jnp.zeros(T, jnp.int32))
     out = prefill_attention(q, k_pool, v_pool, jnp.int32(1), positions, batch.first_in_step, batch.row_of_token,
-                            tables, block_size=bs).astype(jnp.float32)
+                            tables, block_size=bs, q_tile=q_tile, heads_per_program=heads).astype(jnp.float32)
     ref = paged_attention_reference(q.astype(jnp.float32), k_pool.astype(jnp.float32), v_pool.astype(jnp.float32),
                                     1, batch, bs)
     assert float(jnp.max(jnp.abs(out - ref)) / jnp.max(jnp.abs(ref))) < 3e-2
