@@ -27,6 +27,11 @@ class SpeculativeConfig:
     # draft_runs_whole: a 1B draft whole, an 8B one split; vLLM always splits it), split for the heads, which read
     # the target's split embedding and lm_head.
     draft_tensor_parallel_size: int | None = None
+    # draft_model: propose drafts 2..k in one forward over k-1 mask tokens appended after the row's last token (a
+    # parallel draft model, PARD's recipe: docs/parallel_drafting.md) instead of k-1 forwards one after another.
+    # mask_token_id: the token those positions carry (None: the draft model's config.json `pard_token`).
+    parallel_drafting: bool = False
+    mask_token_id: int | None = None
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -51,6 +56,12 @@ class SpeculativeConfig:
                 raise ValueError("ngram drafts are copied from the history: draft_sampling must be 'argmax'")
         elif self.model is None and self.method != "mtp":
             raise ValueError(f"speculative method {self.method!r} needs `model` (the draft model or head)")
+        if (self.parallel_drafting or self.mask_token_id is not None) and self.method != "draft_model":
+            raise ValueError(f"parallel_drafting and mask_token_id are draft_model's; method {self.method!r} takes "
+                             "neither")
+        m = self.mask_token_id
+        if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m < 0):
+            raise ValueError(f"mask_token_id={m!r} is invalid; give a token id (an int >= 0)")
 
     @classmethod
     def coerce(cls, value) -> "SpeculativeConfig | None":

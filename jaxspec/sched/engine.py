@@ -397,6 +397,9 @@ class Engine:
             "quantization": quantization_report(self.config.quantization, self.runner,
                                                 getattr(self.model, "quantization_detail", None)),
             "kv_cache": self.kv_cache()}
+        if "spec" in out and self.speculative_config is not None:   # which drafter, and a draft model's mode
+            out["spec"]["method"] = self.speculative_config.method
+            out["spec"]["parallel_drafting"] = self.speculative_config.parallel_drafting
         if self.k_chooser is not None:   # adaptive k: the measured step times and acceptance it chooses from
             out["spec"]["chooser"] = self.k_chooser.snapshot()
         if self.adapters is not None:   # LoRA: slots, loads and the adapters resident now

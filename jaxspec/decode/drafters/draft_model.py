@@ -17,6 +17,9 @@ so the scheduler's blocks cover both. Each step, after verification:
       width), and the next step rewrites them before anything reads them.
 Unfolded, (a) ran over the step's tokens before verification and (b) took k forwards, the first feeding the
 emitted token alone: the same proposals from k+1 forwards.
+A parallel draft model (`parallel_drafting`, PARD's recipe) replaces (b) by one forward over k-1 mask tokens per
+row at positions num_tokens..num_tokens+k-2 (where (b) feeds its drafts): its logits there are drafts 2..k. Their KV
+is as speculative as (b)'s, at the same positions, and the next step rewrites it with the tokens accepted there.
 A step whose draft width is 0 (adaptive speculation chose plain decoding) runs (a) without proposing: the
 draft KV stays complete, so a later step that drafts proposes what it would have.
 """
@@ -39,16 +42,18 @@ class DraftModelDrafter:
     aux_layers = ()
 
     def __init__(self, draft_config, draft_sampling: str, quantization: str | None = None,
-                 whole_on_each_device: bool = False):
+                 whole_on_each_device: bool = False, mask_token_id: int | None = None):
         self.config = draft_config
         self.draft_sampling = draft_sampling
+        self.mask_token_id = mask_token_id   # parallel drafting's mask token (None: k-1 forwards, one per draft)
         self.quantization = quantization   # "fp8": its params are quantized (the engine's quantization)
         # under tensor parallelism: whole on every device, its forwards free of all-reduces (placement.py decides);
         # otherwise split over the devices as the target is
         self.whole_on_each_device = whole_on_each_device
 
     def configured(self, quantization: str | None, whole_on_each_device: bool) -> "DraftModelDrafter":
-        return DraftModelDrafter(self.config, self.draft_sampling, quantization, whole_on_each_device)
+        return DraftModelDrafter(self.config, self.draft_sampling, quantization, whole_on_each_device,
+                                 self.mask_token_id)
 
     def param_schema(self) -> dict:
         return Decoder(self.config, Ops(quantization=self.quantization)).param_schema()
@@ -75,7 +80,19 @@ class DraftModelDrafter:
         grammar_state = grammar_start(ctx, logits.shape[0])
         first, first_logprobs = pick_drafts(logits, ctx, 0, self.draft_sampling, grammar_state)
         drafts, logprobs = first[None], None if first_logprobs is None else first_logprobs[None]
-        if k > 1:
+        if k > 1 and self.mask_token_id is not None:
+            # (b') drafts 2..k from one forward over k-1 mask tokens per row
+            logits, _, _, layers = model.forward(params, layers, mask_batch(ctx, self.mask_token_id, k - 1, S))
+            logits = logits.reshape(first.shape[0], k - 1, -1)                                # [R, k-1, V]
+            grammar_state, picked = grammar_next(ctx, grammar_state, first), []
+            for j in range(k - 1):   # (a grammar's state follows the drafts before; sampled drafts use key j+1)
+                draft, draft_logprobs = pick_drafts(logits[:, j], ctx, j + 1, self.draft_sampling, grammar_state)
+                picked.append((draft, draft_logprobs))
+                grammar_state = grammar_next(ctx, grammar_state, draft)
+            drafts = jnp.concatenate([drafts, jnp.stack([d for d, _ in picked])])               # [k, R]
+            if first_logprobs is not None:
+                logprobs = jnp.concatenate([logprobs, jnp.stack([lp for _, lp in picked])])
+        elif k > 1:
             # (b) k-1 autoregressive single-token forwards per row, each starting after the token before it;
             # rows that emitted nothing write nothing.
             def draft_one(carry, j):
@@ -135,9 +152,45 @@ def folded_batch(ctx, num_kv_slots: int) -> ForwardBatch:
                         first_token_of_row=jnp.clip(first + shift, 0, N - 1), writes_state=writes)
 
 
+def mask_batch(ctx, mask_token_id: int, m: int, num_kv_slots: int) -> ForwardBatch:
+    """m mask tokens per row at positions num_tokens .. num_tokens+m-1, row r's at r*m .. r*m+m-1; logits at every
+    one. Rows that emitted nothing write no KV (their outputs are unread)."""
+    R = ctx.slot.shape[0]
+    rows = jnp.repeat(jnp.arange(R, dtype=jnp.int32), m)                                    # [R*m]
+    positions = ctx.num_tokens[rows] + jnp.tile(jnp.arange(m, dtype=jnp.int32), R)
+    valid = ctx.sample_rows[rows]
+    slots = kv_slots_for(positions, rows, valid, ctx.batch.block_tables, ctx.ops.block_size, num_kv_slots)
+    first = jnp.arange(R, dtype=jnp.int32) * m
+    return ForwardBatch(jnp.full((R * m,), mask_token_id, jnp.int32), jnp.maximum(positions, 0), slots, rows,
+                        ctx.batch.block_tables, jnp.arange(R * m, dtype=jnp.int32), slot_of_row=ctx.slot,
+                        first_token_of_row=first, writes_state=valid, first_in_step=first[rows])
+
+
 def build_draft_model_drafter(spec, target):
-    """-> (DraftModelDrafter, draft params). `spec.model`: preset, GGUF, directory or a Model object."""
+    """-> (DraftModelDrafter, draft params). `spec.model`: preset, GGUF, directory or a Model object. With
+    `spec.parallel_drafting`, the mask token: `spec.mask_token_id`, else the draft model's config.json `pard_token`."""
     dtype_name = jnp.dtype(target.params["embed"].dtype).name
     draft, params = load_draft_model(spec.model, dtype_name)
     check_same_vocab(target, draft.config.vocab_size, draft.tokenizer, "the draft model")
-    return DraftModelDrafter(draft.config, spec.draft_sampling), params
+    mask = None
+    if spec.parallel_drafting:
+        mask = spec.mask_token_id if spec.mask_token_id is not None else pard_token(spec.model)
+        if not 0 <= mask < draft.config.vocab_size:
+            raise ValueError(f"mask_token_id={mask} is outside the draft model's vocabulary of "
+                             f"{draft.config.vocab_size} tokens")
+    return DraftModelDrafter(draft.config, spec.draft_sampling, mask_token_id=mask), params
+
+
+def pard_token(model) -> int:
+    """The mask token a parallel draft model was trained with: its config.json's `pard_token` (PARD checkpoints and
+    jaxspec's trainer write it); a ValueError naming what to give where there is none."""
+    import json
+    import os
+    path = os.path.join(str(model), "config.json") if isinstance(model, (str, os.PathLike)) else None
+    if path is not None and os.path.isfile(path):
+        with open(path) as f:
+            token = json.load(f).get("pard_token")
+        if isinstance(token, int):
+            return token
+    raise ValueError(f"parallel_drafting needs the mask token the draft model was trained with: {model!r} has no "
+                     "config.json with `pard_token`; give speculative_config's mask_token_id")
