@@ -205,7 +205,9 @@ def test_speculation_with_an_adapter_is_lossless(lora_case):
     (out,) = llm.generate([prompt], params, use_tqdm=False,
                           lora_request=LoRARequest("every", 1, str(adapters["every"])))
     assert list(out.outputs[0].token_ids) == _merged_greedy(base, adapters["every"], prompt, 24)[0]
-    assert llm.engine.stats()["spec"]["draft_tokens"] > 0
+    spec, served = llm.engine.stats()["spec"], llm.engine.stats()["lora"]["per_adapter"]["every"]
+    assert spec["draft_tokens"] > 0 and served["requests"] == 1 and served["output_tokens"] == 24
+    assert (served["draft_tokens"], served["accepted_tokens"]) == (spec["draft_tokens"], spec["accepted_tokens"])
 
 
 def test_the_server_serves_adapters_by_name_and_loads_and_unloads_them(lora_case, tmp_path):

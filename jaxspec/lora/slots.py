@@ -46,6 +46,8 @@ class AdapterSlots:
         self.request_of: dict[int, LoRARequest] = {}      # lora_int_id -> the request that loaded it
         self.holders: collections.Counter = collections.Counter()   # slot -> requests holding it
         self.loads = 0
+        # per adapter name: requests ended, their output tokens, and the drafts verified and accepted for them
+        self.served: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
 
     def acquire(self, request: LoRARequest) -> int:
         """The slot of `request`'s adapter, loaded if it is not resident; held until `release`. AdapterError for an
@@ -71,6 +73,12 @@ class AdapterSlots:
         with self._lock:
             if slot and self.holders[slot] > 0:
                 self.holders[slot] -= 1
+
+    def record(self, lora_name: str, output_tokens: int, draft_tokens: int, accepted_tokens: int):
+        """An ended request's counts, under its adapter's name (`stats`' per_adapter)."""
+        with self._lock:
+            self.served[lora_name].update(requests=1, output_tokens=output_tokens, draft_tokens=draft_tokens,
+                                          accepted_tokens=accepted_tokens)
 
     def remove(self, lora_name: str) -> bool:
         """Unloads the adapter named `lora_name` (its slot zeroed); False when none is resident. AdapterError while a
@@ -105,5 +113,7 @@ class AdapterSlots:
 
     def stats(self) -> dict:
         with self._lock:
+            per_adapter = {name: {**c, "acceptance_rate": c["accepted_tokens"] / c["draft_tokens"]
+                                  if c["draft_tokens"] else 0.0} for name, c in self.served.items()}
             return {"max_loras": self.max_loras, "max_lora_rank": self.max_rank, "loads": self.loads,
-                    "resident": [self.request_of[i].lora_name for i in self.slot_of]}
+                    "resident": [self.request_of[i].lora_name for i in self.slot_of], "per_adapter": per_adapter}

@@ -168,6 +168,8 @@ class Engine:
             self.grammar_tables.release(req.grammar)
         if req.lora_slot:
             self.adapters.release(req.lora_slot)
+            self.adapters.record(req.lora_request.lora_name, len(req.output_token_ids), req.num_draft_tokens,
+                                 req.num_accepted_tokens)
             req.lora_slot = 0
 
     def has_unfinished(self) -> bool:
