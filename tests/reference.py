@@ -339,3 +339,19 @@ class MtpReference:
             drafts.append(int(torch.argmax(self.logits(out[None])[0])))
             features, tokens = torch.cat([features, out[None]]), tokens + drafts[-1:]
         return drafts
+
+
+def check_drafts_every_step(engine, reqs, expected, width: int) -> int:
+    """Steps the engine (sync) until `reqs` end; after every step each unfinished request that has emitted holds the
+    `width` drafts `expected(sequence so far)` gives. -> how many times drafts were compared."""
+    checked = 0
+    while not all(r.finished for r in reqs):
+        engine.step()
+        for r in reqs:
+            if r.output_token_ids and not r.finished:
+                seq = r.prompt_token_ids + r.output_token_ids
+                held = np.asarray(engine.runner.state.drafts)[r.slot, :width].tolist()
+                assert held == expected(seq), f"request {r.request_id} after {len(seq)} tokens"
+                checked += 1
+    return checked
+

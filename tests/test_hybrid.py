@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from conftest import hf_greedy, perturbed, randomize_
-from reference import MtpReference, zero_centred_rms_norm
+from reference import MtpReference, check_drafts_every_step, zero_centred_rms_norm
 from jaxspec import LLM, SamplingParams
 from jaxspec.models import load_model
 from jaxspec.models.model import Model
@@ -402,16 +402,7 @@ def test_drafts_match_a_reference_after_every_step(models, mtp_checkpoints, meth
     # the short prompt first: its row is row 0, which also holds the batch's padding
     reqs = [engine.add_request(PROMPTS[i], SamplingParams(temperature=0, max_tokens=MAX_TOKENS[i], ignore_eos=True))
             for i in (1, 0)]
-    checked = 0
-    while not all(r.finished for r in reqs):
-        engine.step()
-        for r in reqs:
-            if r.output_token_ids and not r.finished:
-                seq = r.prompt_token_ids + r.output_token_ids
-                drafts = np.asarray(engine.runner.state.drafts)[r.slot].tolist()
-                assert drafts == propose(seq, MTP_K), f"request {r.request_id} after {len(seq)} tokens"
-                checked += 1
-    assert checked >= 8
+    assert check_drafts_every_step(engine, reqs, lambda seq: propose(seq, MTP_K), MTP_K) >= 8
     spec = llm.stats()["spec"]
     assert 0 < spec["accepted_tokens"] < spec["draft_tokens"], spec
 

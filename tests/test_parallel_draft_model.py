@@ -35,7 +35,7 @@ def test_drafts_after_every_step_are_the_mask_forward_of_a_dense_reference(spec_
     """Sync, two requests (one prefilled in chunks): after every step the drafts each holds are the draft model's
     argmax after its sequence (the first) and after its sequence then j mask tokens (draft j + 1), through partial
     acceptance. A mask token at the wrong position, or KV a later step does not rewrite, changes some draft."""
-    from reference import Greedy
+    from reference import Greedy, check_drafts_every_step
     greedy = Greedy(draft.hf_tensors, draft.config)
 
     def propose(seq):
@@ -44,16 +44,7 @@ def test_drafts_after_every_step_are_the_mask_forward_of_a_dense_reference(spec_
     engine = llm.engine
     reqs = [engine.add_request(prompt_of(n, seed), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
             for seed, n in ((3, 3), (4, 13))]
-    checked = 0
-    while not all(r.finished for r in reqs):
-        engine.step()
-        for r in reqs:
-            if r.output_token_ids and not r.finished:
-                seq = r.prompt_token_ids + r.output_token_ids
-                held = np.asarray(engine.runner.state.drafts)[r.slot, :K].tolist()
-                assert held == propose(seq), f"request {r.request_id} after {len(seq)} tokens"
-                checked += 1
-    assert checked >= 10
+    assert check_drafts_every_step(engine, reqs, propose, K) >= 10
     spec = llm.stats()["spec"]
     assert 0 < spec["accepted_tokens"] < spec["draft_tokens"]
 

@@ -85,6 +85,19 @@ def summarise(count: int, tokens: int, ttfts: list[float], cached_ttfts: list[fl
     return row
 
 
+def measure_runs(runs, generate, rng, vocab: int, first, params, ttft, tpot, token_ids) -> list[dict]:
+    """Every run (module docstring) through `generate(prompts, sampling_params)`, either engine's: its warm-up, the
+    one-token prefill pass (`first`) and the decode pass (`params`); ttft / tpot / token_ids read one output."""
+    rows = []
+    for count, tokens in runs:
+        generate(prompts_for(rng, vocab, *warm_run(count, tokens)), params)
+        prompts = prompts_for(rng, vocab, count, tokens)
+        prefill, outs = generate(prompts, first), generate(prompts, params)
+        rows.append(summarise(count, tokens, [ttft(o) for o in prefill], [ttft(o) for o in outs],
+                              [t for t in map(tpot, outs) if t is not None], [token_ids(o) for o in outs]))
+    return rows
+
+
 def interference(llm, rng, vocab: int, decoders: int, tokens: int) -> dict:
     """`decoders` requests decoding while one prompt of `tokens` tokens arrives and prefills: their inter-token
     latencies before it came and while it prefilled, and its TTFT."""
@@ -159,15 +172,8 @@ def main():
     rng = np.random.default_rng(args.seed)
     first = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-    rows = []
-    for count, tokens in args.runs:
-        llm.generate(prompts_for(rng, vocab, *warm_run(count, tokens)), params, use_tqdm=False)
-        prompts = prompts_for(rng, vocab, count, tokens)
-        prefill = llm.generate(prompts, first, use_tqdm=False)
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        rows.append(summarise(count, tokens, [o.metrics["ttft"] for o in prefill], [o.metrics["ttft"] for o in outs],
-                              [o.metrics["tpot"] for o in outs if o.metrics["tpot"] is not None],
-                              [list(o.token_ids) for o in outs]))
+    rows = measure_runs(args.runs, lambda prompts, sp: llm.generate(prompts, sp, use_tqdm=False), rng, vocab, first,
+                        params, lambda o: o.metrics["ttft"], lambda o: o.metrics["tpot"], lambda o: list(o.token_ids))
     interfered = [interference(llm, rng, vocab, d, n) for d, n in args.interference]
     result = {"engine": "jaxspec", "model": args.model, "random_weights": args.random_weights, "dtype": args.dtype,
               "max_num_batched_tokens": llm.engine.config.max_num_batched_tokens,

@@ -16,7 +16,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from long_prompts import common_args, max_model_len, prompts_for, summarise, warm_run  # noqa: E402
+from long_prompts import common_args, max_model_len, measure_runs  # noqa: E402
 
 
 def first_token_latency(output) -> float:
@@ -65,15 +65,8 @@ def main():
     rng = np.random.default_rng(args.seed)
     first = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True, detokenize=False)
-    rows = []
-    for count, tokens in args.runs:
-        llm.generate(prompts_for(rng, vocab, *warm_run(count, tokens)), params, use_tqdm=False)
-        prompts = prompts_for(rng, vocab, count, tokens)
-        prefill = llm.generate(prompts, first, use_tqdm=False)
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        rows.append(summarise(count, tokens, [first_token_latency(o) for o in prefill],
-                              [first_token_latency(o) for o in outs], [t for t in map(tpot, outs) if t is not None],
-                              [list(o.outputs[0].token_ids) for o in outs]))
+    rows = measure_runs(args.runs, lambda prompts, sp: llm.generate(prompts, sp, use_tqdm=False), rng, vocab, first,
+                        params, first_token_latency, tpot, lambda o: list(o.outputs[0].token_ids))
     sched = llm.llm_engine.vllm_config.scheduler_config
     result = {"engine": "vllm", "model": args.model, "random_weights": args.random_weights, "dtype": args.dtype,
               "max_num_batched_tokens": sched.max_num_batched_tokens, "max_model_len": max_model_len(args),
