@@ -345,7 +345,8 @@ def fused_splits(num_tokens: int, max_pages: int = 0) -> int:
     hd] buffer grows with T. `max_pages`: the block table's width (max_model_len's pages); with FUSED_PAGES_PER_SPLIT
     set, a long one (at least FUSED_LONG_CONTEXT_PAGES) gets splits enough that none walks more than that many pages
     at full length (a 32k context split 16 ways walks 128 dependent pages per program: decode at 32k cost 3.7x decode
-    at 2k on an H100), as far as FUSED_MAX_TOKEN_SPLITS allows. A power of two: the merge kernel reads a token's splits as one tile."""
+    at 2k on an H100), as far as FUSED_MAX_TOKEN_SPLITS allows. A power of two: the merge kernel reads a token's
+    splits as one tile."""
     splits = min(FUSED_MAX_SPLITS, FUSED_SPLIT_PROGRAMS // num_tokens)
     if FUSED_PAGES_PER_SPLIT and max_pages >= FUSED_LONG_CONTEXT_PAGES:
         splits = max(splits, min(-(-max_pages // FUSED_PAGES_PER_SPLIT), FUSED_MAX_TOKEN_SPLITS // num_tokens))
