@@ -74,9 +74,11 @@ def test_no_hidden_device_reads_on_the_hot_path(monkeypatch):
     # the device work is the bottleneck and the host waits for it in one place only (the injected work's time,
     # measured once, varies with what else runs on the CPU: a third of it per step at least)
     assert timings["wait"] > 0.33 * steps * delay, (timings, steps, delay)
-    # (a hidden read makes a phase wait out a whole device step; on the CPU the host phases also share the
-    # cores with the device's own threads, which with conftest's four CPU devices costs ~10% of the wait)
-    assert host < 0.25 * timings["wait"], (timings, steps, delay)
+    # (a hidden read makes a phase wait out a whole device step: one read in the build phase gave host / wait = 15.2.
+    # Without one it is ~0.10 alone on a 2-core machine, but the host phases share the cores with the device's own
+    # threads and, in CI, with the other test worker's compiles: 0.285 was seen there. Half the wait keeps a 30x
+    # margin on the failure this looks for.)
+    assert host < 0.5 * timings["wait"], (timings, steps, delay)
 
 
 def guarded_reads(monkeypatch):
