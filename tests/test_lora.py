@@ -291,3 +291,47 @@ def test_seeded_sampling_with_an_adapter_is_the_same_with_and_without_speculatio
     (drafted,) = spec.generate([prompt], params, use_tqdm=False, lora_request=adapter)
     assert list(drafted.outputs[0].token_ids) == list(plain.outputs[0].token_ids)
     assert spec.engine.stats()["spec"]["draft_tokens"] > 0
+
+
+def test_adapters_over_an_fp8_base_add_to_its_dequantized_weights(lora_case):
+    """quantization="fp8" with an adapter: the adapter (in the compute dtype) is added to the FP8 projections'
+    products, so the tokens and logprobs are those of the float32 engine over the FP8 weights dequantized, with the
+    same adapter; and the adapter changes them."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+
+    from jaxspec import LLM, LoRARequest, SamplingParams
+    from jaxspec.models.loader import load_model
+    from jaxspec.nn import quant
+    base, adapters = lora_case
+    model = load_model(str(base), dtype="float32")
+    quantized = quant.quantize_params(model.params)
+
+    def dequantized(tree):
+        out = {}
+        for name, value in tree.items():
+            if isinstance(value, dict):
+                out[name] = dequantized(value)
+            elif name.endswith(quant.SCALE):
+                continue
+            elif name + quant.SCALE in tree:
+                out[name] = value.astype(jnp.float32) * tree[name + quant.SCALE][..., None]
+            else:
+                out[name] = value
+        return out
+    plain = dataclasses.replace(model, params=jax.tree_util.tree_map(jnp.asarray, dequantized(quantized)))
+    adapter = LoRARequest("every", 1, str(adapters["every"]))
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
+    engine = dict(dtype="float32", max_num_seqs=2, max_model_len=64, max_num_batched_tokens=32, enable_lora=True,
+                  max_lora_rank=8, warmup=False)
+    fp8 = LLM(model, quantization="fp8", **engine)
+    assert fp8.engine.stats()["quantization"]["scheme"] == "fp8"
+    (got,) = fp8.generate([PROMPTS[0]], params, use_tqdm=False, lora_request=adapter)
+    (want,) = LLM(plain, **engine).generate([PROMPTS[0]], params, use_tqdm=False, lora_request=adapter)
+    assert list(got.outputs[0].token_ids) == list(want.outputs[0].token_ids)
+    np.testing.assert_allclose([e["logprob"] for e in got.outputs[0].logprobs],
+                               [e["logprob"] for e in want.outputs[0].logprobs], atol=1e-4)
+    (base_out,) = fp8.generate([PROMPTS[0]], params, use_tqdm=False)
+    assert list(base_out.outputs[0].token_ids) != list(got.outputs[0].token_ids)
