@@ -30,6 +30,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 WARM_BATCH_TOKENS = 256
+DECODER_PROMPT = 128      # --interference: the decoding requests' prompt tokens
 
 
 def parse_run(text: str) -> tuple[int, int]:
@@ -64,7 +65,11 @@ def warm_run(count: int, tokens: int) -> tuple[int, int]:
 
 
 def max_model_len(args) -> int:
-    return max(n for _, n in args.runs) + args.output_len + 16
+    """Room for the longest prompt of the runs (and of --interference, where the script has it, whose decoding
+    requests need their prompt and some tokens) and its output."""
+    interference = getattr(args, "interference", [])
+    longest = max([n for _, n in args.runs + interference] + [2 * DECODER_PROMPT for _ in interference[:1]])
+    return longest + args.output_len + 16
 
 
 def prompts_for(rng, vocab: int, count: int, tokens: int) -> list[dict]:
@@ -105,10 +110,10 @@ def interference(llm, rng, vocab: int, decoders: int, tokens: int) -> dict:
 
     from jaxspec import SamplingParams
     engine = llm.engine
-    room = engine.step_config.max_model_len - 128 - 1
+    room = engine.step_config.max_model_len - DECODER_PROMPT - 1
     running = [engine.add_request(p["prompt_token_ids"], SamplingParams(temperature=0.0, max_tokens=room,
                                                                        ignore_eos=True))
-               for p in prompts_for(rng, vocab, decoders, 128)]
+               for p in prompts_for(rng, vocab, decoders, DECODER_PROMPT)]
     while any(len(r.output_token_ids) < 8 for r in running):
         engine.step()
     arrived = time.perf_counter()
@@ -163,8 +168,7 @@ def main():
     budget = {} if args.max_num_batched_tokens is None else {"max_num_batched_tokens": args.max_num_batched_tokens}
     t0 = time.perf_counter()
     most = max([c for c, _ in args.runs] + [d + 1 for d, _ in args.interference])
-    longest = max([n for _, n in args.runs] + [n for _, n in args.interference])
-    llm = LLM(model, dtype=args.dtype, max_num_seqs=most, max_model_len=longest + args.output_len + 16,
+    llm = LLM(model, dtype=args.dtype, max_num_seqs=most, max_model_len=max_model_len(args),
               warmup=args.warmup, kv_cache_dtype=args.kv_cache_dtype, **budget)
     llm.engine.wait_compiled()
     startup_s = time.perf_counter() - t0

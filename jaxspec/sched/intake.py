@@ -136,18 +136,16 @@ class Intake:
                           index=index)
             stop_ids = ([] if sp.ignore_eos else list(self.eos_token_ids)) + sp.stop_token_ids
             req.min_tokens_stop_ids = stop_ids[:MAX_STOP_IDS] if sp.min_tokens else []
+            if lora_request is not None:   # its slot, which its row values name (a ValueError builds nothing)
+                try:
+                    req.lora_request, req.lora_slot = lora_request, self.adapters.acquire(lora_request)
+                except ValueError:
+                    self.discard(group)
+                    raise
             req.row_ints, req.row_floats = request_values(req, self.vocab_size)
             req.step_variant = StepVariant.of(sp)
             req.grammar = grammar
             req.logit_bias_row = bias_row
-            if lora_request is not None:   # (a ValueError here builds nothing: the slots taken so far go back)
-                try:
-                    req.lora_request, req.lora_slot = lora_request, self.adapters.acquire(lora_request)
-                except ValueError:
-                    for built in group:
-                        self.adapters.release(built.lora_slot)
-                    raise
-                req.row_ints, req.row_floats = request_values(req, self.vocab_size)
             if sp.prompt_logprobs is not None and index == 0:   # siblings share the prompt: one computes them
                 req.prompt_logprobs = [None]
             if outputs is not None:
