@@ -121,7 +121,11 @@ ENGINE_FLAGS: dict[str, tuple[tuple[str, ...], dict]] = {
         type=int, default=512, help="the most tokens one engine step takes, prefill chunks and decode rows together")),
     "block_size": (("--block-size",), dict(type=int, default=16)),
     "num_kv_blocks": (("--num-kv-blocks",), dict(type=int, default=None)),
-    "kv_memory_fraction": (("--kv-memory-fraction",), dict(type=float, default=None)),
+    "kv_memory_fraction": (("--kv-memory-fraction",), dict(
+        type=float, default=None, help="share of the device's free memory the KV pool takes (GPU default 0.5)")),
+    "gpu_memory_utilization": (("--gpu-memory-utilization",), dict(
+        type=float, default=None, help="vLLM's sizing: the share of the device memory (XLA's limit) that weights, "
+                                       "activations and the KV pool fill together")),
     "async_scheduling": (("--async-scheduling",), dict(action=argparse.BooleanOptionalAction, default=True)),
     "enable_prefix_caching": (("--enable-prefix-caching",), dict(action=argparse.BooleanOptionalAction, default=True)),
     "speculative_config": (("--speculative-config",), dict(
@@ -173,7 +177,8 @@ ENGINE_FLAGS: dict[str, tuple[tuple[str, ...], dict]] = {
 
 # The engine flags of a server (`jaxspec serve`, each Ray Serve replica), in the order its --help lists them.
 SERVER_ENGINE_FIELDS = ("dtype", "max_num_seqs", "max_model_len", "max_num_batched_tokens", "block_size",
-                        "num_kv_blocks", "kv_memory_fraction", "async_scheduling", "enable_prefix_caching",
+                        "num_kv_blocks", "kv_memory_fraction", "gpu_memory_utilization", "async_scheduling",
+                        "enable_prefix_caching",
                         "speculative_config", "seed", "tensor_parallel_size", "structured_compile_timeout",
                         "structured_compile_memory", "warmup", "quantization", "kv_cache_dtype", "logprobs_mode",
                         "enable_lora", "max_loras", "max_lora_rank")

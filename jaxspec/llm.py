@@ -31,7 +31,7 @@ class LLM:
     def __init__(self, model=DEFAULT_MODEL, *, dtype: str = "auto", max_num_seqs: int = 16,
                  max_model_len: int | None = None, max_num_batched_tokens: int = 512, block_size: int = 16,
                  num_kv_blocks: int | None = None, kv_memory_fraction: float | None = None,
-                 async_scheduling: bool = True, speculative_config=None, enable_prefix_caching: bool = True,
+                 gpu_memory_utilization: float | None = None, async_scheduling: bool = True, speculative_config=None, enable_prefix_caching: bool = True,
                  warmup: bool | str = "auto", seed: int = 0, attention: str = "auto", unroll_layers: bool | None = None,
                  tensor_parallel_size: int = 1, structured_compile_timeout: float = 30.0,
                  structured_compile_memory: float = 2.0,
@@ -47,7 +47,7 @@ class LLM:
         self.engine = Engine(self.model, EngineConfig(
             max_num_seqs=max_num_seqs, max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
             block_size=block_size, num_kv_blocks=num_kv_blocks, kv_memory_fraction=kv_memory_fraction,
-            async_scheduling=async_scheduling, enable_prefix_caching=enable_prefix_caching, warmup=warmup, seed=seed,
+            gpu_memory_utilization=gpu_memory_utilization, async_scheduling=async_scheduling, enable_prefix_caching=enable_prefix_caching, warmup=warmup, seed=seed,
             attention=attention, unroll_layers=unroll_layers, tensor_parallel_size=tensor_parallel_size,
             structured_compile_timeout=structured_compile_timeout,
             structured_compile_memory=structured_compile_memory, delta_rule=delta_rule,

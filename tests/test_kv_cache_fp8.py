@@ -104,3 +104,41 @@ def test_an_fp8_pool_on_a_gpu_stays_clear_of_the_kernels_index_wrap(monkeypatch)
                                          r"least 37450"):
         EngineConfig(num_kv_blocks=20000).num_blocks(mc, 100, FP8)
     assert EngineConfig(num_kv_blocks=20000).num_blocks(mc, 100, jnp.bfloat16) == 20000
+
+
+def test_gpu_memory_utilization_sizes_the_pool_from_the_limit_less_weights_and_activations(monkeypatch):
+    """vLLM's sizing: the pool is gpu_memory_utilization of the allocator's limit less the memory in use (the
+    weights) and the activation reserve, capped at every slot at max_model_len; too little room is refused naming
+    the numbers, and two ways of sizing the pool at once are refused."""
+    import jax
+
+    from jaxspec.models.config import ModelConfig
+    from jaxspec.sched.config import EngineConfig
+
+    class GPU:
+        platform = "gpu"
+
+        def memory_stats(self):
+            return {"bytes_limit": 60 * 2**30, "bytes_in_use": 3 * 2**30}
+
+    monkeypatch.setattr(jax, "devices", lambda *a: [GPU()])
+    mc = ModelConfig(arch="qwen2", vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_layers=28,
+                     num_heads=12, num_kv_heads=2, head_dim=128)
+    per_block_bytes = 2 * 28 * 16 * 2 * 128 * 2                     # k and v, bf16
+    config = EngineConfig(max_num_seqs=32, max_num_batched_tokens=2048, gpu_memory_utilization=0.9)
+    reserve = config.activation_reserve(mc, logit_rows=32 * 5)
+    assert 2**30 < reserve < 3 * 2**30   # steps of 2,048 tokens of the 1.5B: MLP intermediates and 160 logit rows
+    assert config.num_blocks(mc, 10**6, jnp.bfloat16, logit_rows=32 * 5) == \
+        int((0.9 * 60 * 2**30 - 3 * 2**30 - reserve) // per_block_bytes)
+    assert config.num_blocks(mc, 100, jnp.bfloat16) == 32 * 100            # every slot at max_model_len fits
+    # a larger step budget keeps more back; the fraction-of-free rule is untouched
+    bigger = EngineConfig(max_num_seqs=32, max_num_batched_tokens=8192, gpu_memory_utilization=0.9)
+    assert bigger.activation_reserve(mc, 160) > reserve + 2 * 6144 * 2**10 * 4 * 4
+    assert EngineConfig(max_num_seqs=32).num_blocks(mc, 10**6, jnp.bfloat16) == int(57 * 2**30 * 0.5) // per_block_bytes
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization=0.05 gives the engine 3.00 GiB of the device's "
+                                         r"60.00 GiB; the weights hold 3.00 GiB .* raise gpu_memory_utilization"):
+        EngineConfig(gpu_memory_utilization=0.05).num_blocks(mc, 100, jnp.bfloat16)
+    with pytest.raises(ValueError, match="kv_memory_fraction and gpu_memory_utilization both size the KV pool"):
+        EngineConfig(kv_memory_fraction=0.5, gpu_memory_utilization=0.9).validate()
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization=1.5 is invalid; it must be in \(0, 1\]"):
+        EngineConfig(gpu_memory_utilization=1.5).validate()

@@ -54,6 +54,9 @@ def common_args(description: str) -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="the step's token budget (default: the engine's own)")
     p.add_argument("--kv-cache-dtype", default="auto")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="the engine's share of device memory (vLLM's sizing; jaxspec's default: half the free memory "
+                        "for the KV pool, vLLM's here 0.85)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json")
     return p
@@ -166,6 +169,8 @@ def main():
         from jaxspec.models.random import random_model
         model = random_model(args.model, dtype=args.dtype, seed=0)
     budget = {} if args.max_num_batched_tokens is None else {"max_num_batched_tokens": args.max_num_batched_tokens}
+    if args.gpu_memory_utilization is not None:
+        budget["gpu_memory_utilization"] = args.gpu_memory_utilization
     t0 = time.perf_counter()
     most = max([c for c, _ in args.runs] + [d + 1 for d, _ in args.interference])
     llm = LLM(model, dtype=args.dtype, max_num_seqs=most, max_model_len=max_model_len(args),

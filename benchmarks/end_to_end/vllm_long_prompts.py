@@ -36,7 +36,6 @@ def tpot(output) -> float | None:
 
 def main():
     p = common_args(__doc__)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     p.add_argument("--config-root", default="/tmp/vllm-configs")
     args = p.parse_args()
 
@@ -48,7 +47,7 @@ def main():
     with open(os.path.join(model, "config.json")) as f:
         vocab = json.load(f)["vocab_size"]
     kwargs = dict(model=model, dtype=args.dtype, max_num_seqs=max(c for c, _ in args.runs),
-                  max_model_len=max_model_len(args), gpu_memory_utilization=args.gpu_memory_utilization,
+                  max_model_len=max_model_len(args), gpu_memory_utilization=args.gpu_memory_utilization or 0.85,
                   skip_tokenizer_init=True, seed=args.seed,
                   disable_log_stats=False)   # the per-request timings below come with the stats
     if args.random_weights:

@@ -99,8 +99,9 @@ def build_parts(model, config: EngineConfig, speculative_config=None) -> EngineP
     whole_draft = drafter is not None and drafter.whole_on_each_device
     tp = TensorParallel.create(config.tensor_parallel_size, [mc] if whole_draft else [mc, *draft_configs])
     kv_dtype = jnp.dtype(config.kv_dtype(model.params["embed"].dtype))
-    num_blocks = config.num_blocks(mc, -(-max_model_len // config.block_size), kv_dtype, tp)
     K = spec.num_speculative_tokens if spec else 0
+    num_blocks = config.num_blocks(mc, -(-max_model_len // config.block_size), kv_dtype, tp,
+                                   logit_rows=config.max_num_seqs * (K + 1))
     step_config = StepConfig(block_size=config.block_size, num_blocks=num_blocks, num_slots=config.max_num_seqs,
                              max_model_len=max_model_len, num_speculative_tokens=K,
                              logprobs_mode=config.logprobs_mode, kv_dtype=kv_dtype.name)

@@ -46,6 +46,9 @@ class EngineConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None          # default: from kv_memory_fraction on a GPU, else enough for all
     kv_memory_fraction: float | None = None   # share of free device memory for the KV pool (GPU default 0.5)
+    # vLLM's name: the share of the device memory XLA's allocator may hold (its bytes_limit) that the engine fills,
+    # weights, activations and the KV pool together; the pool is what the loaded weights and ACTIVATION_RESERVE leave
+    gpu_memory_utilization: float | None = None
     async_scheduling: bool = True
     enable_prefix_caching: bool = True        # off by itself for models with per-slot (recurrent) layer state
     warmup: bool | str = "auto"               # WARMUP_MODES, or True ("full") / False ("none")
@@ -75,6 +78,12 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks={self.num_kv_blocks} is invalid; it must be >= 1")
         if self.kv_memory_fraction is not None and not 0 < self.kv_memory_fraction < 1:
             raise ValueError(f"kv_memory_fraction={self.kv_memory_fraction} is invalid; it must be in (0, 1)")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} is invalid; it must be in (0, 1]")
+        sizings = [n for n in ("num_kv_blocks", "kv_memory_fraction", "gpu_memory_utilization")
+                   if getattr(self, n) is not None]
+        if len(sizings) > 1:
+            raise ValueError(f"{' and '.join(sizings)} both size the KV pool; give one of them")
         if not (isinstance(self.structured_compile_timeout, (int, float)) and self.structured_compile_timeout > 0):
             raise ValueError(f"structured_compile_timeout={self.structured_compile_timeout!r} is invalid; it must be "
                              "a number of seconds > 0")
@@ -136,10 +145,12 @@ class EngineConfig:
         """The KV pools' dtype: the model's (`kv_cache_dtype` "auto") or the fp8 format it names."""
         return KV_CACHE_DTYPES[self.kv_cache_dtype] or model_dtype
 
-    def num_blocks(self, model_config, max_blocks_per_seq: int, dtype, tp=None) -> int:
+    def num_blocks(self, model_config, max_blocks_per_seq: int, dtype, tp=None, logit_rows: int | None = None) -> int:
         """KV blocks in the pool of `dtype`: `num_kv_blocks` when given; on a GPU the blocks `kv_memory_fraction`
-        (0.5) of its free memory holds, at most enough for every slot at max_model_len; elsewhere exactly that many.
-        On a GPU a one-byte (fp8) pool stays out of ONE_BYTE_POOL_WRAP."""
+        (0.5) of its free memory holds, or with `gpu_memory_utilization` what that share of the allocator's limit
+        leaves after the memory in use (weights) and activation_reserve, at most enough for every slot at
+        max_model_len; elsewhere exactly that many. `logit_rows`: the most positions a step samples (its rows times
+        the drafts plus one; default max_num_seqs). On a GPU a one-byte (fp8) pool stays out of ONE_BYTE_POOL_WRAP."""
         import jax
         import jax.numpy as jnp
 
@@ -162,9 +173,31 @@ class EngineConfig:
         enough = self.max_num_seqs * max_blocks_per_seq
         if not stats:
             return enough
-        free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
+        limit, in_use = stats.get("bytes_limit", 0), stats.get("bytes_in_use", 0)
         per_block_bytes = 2 * per_block * jnp.dtype(dtype).itemsize     # k and v
-        blocks = max(1, min(enough, int(free * (self.kv_memory_fraction or 0.5) // per_block_bytes)))
+        if self.gpu_memory_utilization is not None:
+            reserve = self.activation_reserve(mc, logit_rows or self.max_num_seqs)
+            room = self.gpu_memory_utilization * limit - in_use - reserve
+            if room < per_block_bytes:
+                raise ValueError(
+                    f"gpu_memory_utilization={self.gpu_memory_utilization} gives the engine "
+                    f"{self.gpu_memory_utilization * limit / 2**30:.2f} GiB of the device's {limit / 2**30:.2f} GiB; "
+                    f"the weights hold {in_use / 2**30:.2f} GiB and steps of {self.max_num_batched_tokens} tokens "
+                    f"need {reserve / 2**30:.2f} GiB, which leaves no room for a KV block of {per_block_bytes:,} "
+                    f"bytes: raise gpu_memory_utilization (at most 1) or lower max_num_batched_tokens")
+            blocks = min(enough, int(room // per_block_bytes))
+        else:
+            blocks = max(1, min(enough, int((limit - in_use) * (self.kv_memory_fraction or 0.5) // per_block_bytes)))
         if one_byte and low <= blocks * per_block < high:
             blocks = (low - 1) // per_block
         return blocks
+
+    def activation_reserve(self, model_config, logit_rows: int) -> int:
+        """Bytes kept out of a gpu_memory_utilization pool for what a step holds beside the weights and the pool:
+        per token of max_num_batched_tokens its residual, attention and MLP intermediates (gate and up together) in
+        4-byte words at most, and float32 logits with their log-softmax and sampling copies for `logit_rows`
+        positions; twice over for XLA's temporaries and its GEMM autotuner's scratch, plus 1 GiB for the runtime."""
+        mc = model_config
+        per_token = 4 * (4 * mc.hidden_size + (mc.num_heads + 2 * mc.num_kv_heads) * mc.head_dim
+                         + 3 * max(mc.intermediate_size, mc.moe_intermediate_size))
+        return 2 * (self.max_num_batched_tokens * per_token + 4 * logit_rows * mc.vocab_size * 4) + 2**30
