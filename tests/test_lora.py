@@ -423,3 +423,51 @@ def test_aborting_the_holder_lets_the_waiting_adapter_request_in(one_slot):
     assert holder.finish_reason == "abort" and len(holder.output_token_ids) < 30
     assert waiter.output_token_ids == want[("qv", 1, NEW_TOKENS)]
     assert engine.stats()["lora"]["queued"] == {} and all(not n for n in engine.adapters.holders.values())
+
+
+def test_adapters_that_can_never_run_are_still_refused_when_they_would_wait(lora_case, one_slot, tmp_path):
+    """With the only slot held, what could never run is refused at once by name rather than queued: a rank above
+    max_lora_rank, a path with no adapter, an id given to another adapter; and an adapter on an engine without
+    enable_lora. Nothing stays awaited."""
+    from jaxspec import LLM, LoRARequest
+    base, adapters = lora_case
+    llm, requests, _ = one_slot
+    engine = llm.engine
+    holder = engine.add_request(PROMPTS[0], _greedy(30), lora_request=requests["every"])
+    engine.step()
+    big = _write_adapter(base, tmp_path / "big", 3, r=16, lora_alpha=16, target_modules=["q_proj"])
+    for lora, match in ((LoRARequest("big", 9, str(big)), "above max_lora_rank=8"),
+                        (LoRARequest("gone", 10, str(tmp_path / "gone")), "has no adapter_config.json"),
+                        (LoRARequest("qv", 1, str(adapters["qv"])), "lora_int_id=1 is adapter 'every'")):
+        with pytest.raises(ValueError, match=match):
+            engine.add_request(PROMPTS[1], _greedy(NEW_TOKENS), lora_request=lora)
+    assert engine.stats()["lora"]["queued"] == {} and len(engine.scheduler.waiting) == 0
+    engine.abort(holder.request_id)
+    engine.drain()
+    plain = LLM(str(base), dtype="float32", max_num_seqs=2, max_model_len=64, max_num_batched_tokens=32, warmup=False)
+    with pytest.raises(ValueError, match="needs an engine built with enable_lora=True"):
+        plain.generate([PROMPTS[1]], use_tqdm=False, lora_request=requests["qv"])
+
+
+def test_a_preempted_request_keeps_its_adapter_slot(lora_case, one_slot):
+    """Two "every" requests and a "qv" one over 5 KV blocks of 16 tokens with one adapter slot: an "every" request
+    is preempted for KV room and, queued again, still holds its slot (it is readmitted without waiting for one),
+    while "qv" waits for the slot; every request gives its adapter's peft tokens."""
+    from jaxspec import LLM
+    base, _ = lora_case
+    _, requests, want = one_slot
+    llm = LLM(str(base), dtype="float32", max_num_seqs=4, max_model_len=64, max_num_batched_tokens=32, num_kv_blocks=5,
+              enable_lora=True, max_loras=1, max_lora_rank=8, warmup=False)
+    engine = llm.engine
+    names = ["every", "every", "qv"]
+    reqs = [engine.add_request(PROMPTS[0], _greedy(30), lora_request=requests[n]) for n in names]
+    preempted_waiting = 0
+    while engine.has_unfinished():
+        engine.step()
+        for req in engine.scheduler.waiting:
+            if req.num_preemptions:
+                preempted_waiting += 1
+                assert req.lora_slot and engine.adapters.holders[req.lora_slot]
+    assert preempted_waiting and [r.output_token_ids for r in reqs] == [want[(n, 0, 30)] for n in names]
+    stats = engine.stats()["lora"]
+    assert stats["waited_for_slot"] >= 1 and stats["loads"] == 2 and stats["queued"] == {}
