@@ -71,7 +71,7 @@ class AdapterSlots:
         adapter = load_adapter(request.lora_path, self.model_config, self.max_rank)   # outside the lock: a file read
         with self._lock:
             self._check_id(request)
-            self.request_of[request.lora_int_id] = request
+            self.request_of.setdefault(request.lora_int_id, request)
             self.arrays_of.setdefault(request.lora_int_id, adapter)
             self.staged[request.lora_int_id] += 1
 
