@@ -249,6 +249,9 @@ def test_the_server_serves_adapters_by_name_and_loads_and_unloads_them(lora_case
         assert complete(client, "qv").status_code == 404
         assert client.post("/v1/unload_lora_adapter", json={"lora_name": "qv"}).status_code == 400
         assert [c["id"] for c in client.get("/v1/models").json()["data"]] == ["base", "every"]
+        metrics = client.get("/metrics").text   # vLLM's LoRA gauge: nothing runs or waits now
+        assert 'vllm:lora_requests_info{max_lora="1",running_lora_adapters="",waiting_lora_adapters=""}' in metrics
+        assert 'jaxspec:lora_requests_waiting{model_name="base"} 0.0' in metrics
 
 
 def test_adapters_load_and_unload_while_requests_run(lora_case, lora_llm):
@@ -335,3 +338,136 @@ def test_adapters_over_an_fp8_base_add_to_its_dequantized_weights(lora_case):
                                [e["logprob"] for e in want.outputs[0].logprobs], atol=1e-4)
     (base_out,) = fp8.generate([PROMPTS[0]], params, use_tqdm=False)
     assert list(base_out.outputs[0].token_ids) != list(got.outputs[0].token_ids)
+
+
+@pytest.fixture(scope="module")
+def one_slot(lora_case):
+    """An engine with one adapter slot (max_loras=1), the two adapters' LoRARequests, and peft's greedy tokens per
+    (adapter, prompt) (None: the base model)."""
+    from jaxspec import LLM, LoRARequest
+    base, adapters = lora_case
+    llm = LLM(str(base), dtype="float32", max_num_seqs=4, max_model_len=64, max_num_batched_tokens=32,
+              enable_lora=True, max_loras=1, max_lora_rank=8, warmup=False)
+    requests = {name: LoRARequest(name, i, str(adapters[name])) for i, name in enumerate(("every", "qv"), 1)}
+    want = {(name, i, n): _merged_greedy(base, adapters.get(name), PROMPTS[i], n)[0]
+            for name in (None, "every", "qv") for i, n in ((0, 30), (1, NEW_TOKENS))}
+    return llm, requests, want
+
+
+def _greedy(max_tokens):
+    from jaxspec import SamplingParams
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def _steps_until(engine, done, limit=200):
+    """Drives the engine until `done()` (at most `limit` steps: a request that never gets its slot fails, not hangs)."""
+    for _ in range(limit):
+        if done():
+            return
+        engine.step()
+    raise AssertionError(f"not done after {limit} steps")
+
+
+def test_requests_for_more_adapters_than_slots_wait_for_one_and_all_finish(one_slot):
+    """max_loras=1, one generate() over both adapters: every request finishes with its adapter's peft tokens, those
+    of the adapter not resident having waited for the slot (none is refused), and no slot stays held."""
+    llm, requests, want = one_slot
+    params = _greedy(NEW_TOKENS)
+    before = llm.engine.stats()["lora"]["waited_for_slot"]
+    names = ["every", "qv", "qv", "every"]
+    outs = llm.generate([PROMPTS[1]] * 4, params, use_tqdm=False, lora_request=[requests[n] for n in names])
+    assert [list(o.outputs[0].token_ids) for o in outs] == [want[(n, 1, NEW_TOKENS)] for n in names]
+    stats = llm.engine.stats()["lora"]
+    assert stats["waited_for_slot"] - before >= 2 and stats["waiting_for_slot"] == 0 and stats["queued"] == {}
+    assert stats["running"] == [] and all(not n for n in llm.engine.adapters.holders.values())
+
+
+def test_a_waiting_adapter_request_holds_back_no_base_request_and_is_not_overtaken(one_slot):
+    """While "every" runs in the only slot, a "qv" request waits; a base-model request queued after it runs at once,
+    but a later "every" request does not join the held slot ahead of the waiter (the slot drains for it): "qv" runs
+    when the long request ends, the later "every" after that; each gives its adapter's tokens."""
+    llm, requests, want = one_slot
+    engine = llm.engine
+    long = engine.add_request(PROMPTS[0], _greedy(30), lora_request=requests["every"])
+    _steps_until(engine, lambda: len(long.output_token_ids) >= 2)
+    waiter = engine.add_request(PROMPTS[1], _greedy(NEW_TOKENS), lora_request=requests["qv"])
+    later = engine.add_request(PROMPTS[1], _greedy(NEW_TOKENS), lora_request=requests["every"])
+    plain = engine.add_request(PROMPTS[1], _greedy(NEW_TOKENS))
+    _steps_until(engine, lambda: plain.finished)
+    assert not long.finished and not waiter.output_token_ids and not later.output_token_ids
+    assert engine.stats()["lora"]["waiting_for_slot"] == 2
+    _steps_until(engine, lambda: waiter.finished)
+    assert long.finished and not later.output_token_ids
+    _steps_until(engine, lambda: later.finished)
+    engine.drain()
+    assert long.output_token_ids == want[("every", 0, 30)]
+    assert waiter.output_token_ids == want[("qv", 1, NEW_TOKENS)]
+    assert later.output_token_ids == want[("every", 1, NEW_TOKENS)]
+    assert plain.output_token_ids == want[(None, 1, NEW_TOKENS)]
+
+
+def test_aborting_the_holder_lets_the_waiting_adapter_request_in(one_slot):
+    """A "qv" request waits while "every" runs in the only slot; aborting the "every" request gives the slot to it,
+    and its tokens are "qv"'s."""
+    llm, requests, want = one_slot
+    engine = llm.engine
+    holder = engine.add_request(PROMPTS[0], _greedy(30), lora_request=requests["every"])
+    _steps_until(engine, lambda: len(holder.output_token_ids) >= 2)
+    waiter = engine.add_request(PROMPTS[1], _greedy(NEW_TOKENS), lora_request=requests["qv"])
+    for _ in range(3):
+        engine.step()
+    assert not waiter.output_token_ids and engine.stats()["lora"]["waiting_for_slot"] == 1
+    engine.abort(holder.request_id)
+    _steps_until(engine, lambda: waiter.finished)
+    engine.drain()
+    assert holder.finish_reason == "abort" and len(holder.output_token_ids) < 30
+    assert waiter.output_token_ids == want[("qv", 1, NEW_TOKENS)]
+    assert engine.stats()["lora"]["queued"] == {} and all(not n for n in engine.adapters.holders.values())
+
+
+def test_adapters_that_can_never_run_are_still_refused_when_they_would_wait(lora_case, one_slot, tmp_path):
+    """With the only slot held, what could never run is refused at once by name rather than queued: a rank above
+    max_lora_rank, a path with no adapter, an id given to another adapter; and an adapter on an engine without
+    enable_lora. Nothing stays awaited."""
+    from jaxspec import LLM, LoRARequest
+    base, adapters = lora_case
+    llm, requests, _ = one_slot
+    engine = llm.engine
+    holder = engine.add_request(PROMPTS[0], _greedy(30), lora_request=requests["every"])
+    engine.step()
+    big = _write_adapter(base, tmp_path / "big", 3, r=16, lora_alpha=16, target_modules=["q_proj"])
+    for lora, match in ((LoRARequest("big", 9, str(big)), "above max_lora_rank=8"),
+                        (LoRARequest("gone", 10, str(tmp_path / "gone")), "has no adapter_config.json"),
+                        (LoRARequest("qv", 1, str(adapters["qv"])), "lora_int_id=1 is adapter 'every'")):
+        with pytest.raises(ValueError, match=match):
+            engine.add_request(PROMPTS[1], _greedy(NEW_TOKENS), lora_request=lora)
+    assert engine.stats()["lora"]["queued"] == {} and len(engine.scheduler.waiting) == 0
+    engine.abort(holder.request_id)
+    engine.drain()
+    plain = LLM(str(base), dtype="float32", max_num_seqs=2, max_model_len=64, max_num_batched_tokens=32, warmup=False)
+    with pytest.raises(ValueError, match="needs an engine built with enable_lora=True"):
+        plain.generate([PROMPTS[1]], use_tqdm=False, lora_request=requests["qv"])
+
+
+def test_a_preempted_request_keeps_its_adapter_slot(lora_case, one_slot):
+    """Two "every" requests and a "qv" one over 5 KV blocks of 16 tokens with one adapter slot: an "every" request
+    is preempted for KV room and, queued again, still holds its slot (it is readmitted without waiting for one),
+    while "qv" waits for the slot; every request gives its adapter's peft tokens."""
+    from jaxspec import LLM
+    base, _ = lora_case
+    _, requests, want = one_slot
+    llm = LLM(str(base), dtype="float32", max_num_seqs=4, max_model_len=64, max_num_batched_tokens=32, num_kv_blocks=5,
+              enable_lora=True, max_loras=1, max_lora_rank=8, warmup=False)
+    engine = llm.engine
+    names = ["every", "every", "qv"]
+    reqs = [engine.add_request(PROMPTS[0], _greedy(30), lora_request=requests[n]) for n in names]
+    preempted_waiting = 0
+    while engine.has_unfinished():
+        engine.step()
+        for req in engine.scheduler.waiting:
+            if req.num_preemptions:
+                preempted_waiting += 1
+                assert req.lora_slot and engine.adapters.holders[req.lora_slot]
+    assert preempted_waiting and [r.output_token_ids for r in reqs] == [want[(n, 0, 30)] for n in names]
+    stats = engine.stats()["lora"]
+    assert stats["waited_for_slot"] >= 1 and stats["loads"] == 2 and stats["queued"] == {}

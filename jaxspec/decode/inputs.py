@@ -55,7 +55,8 @@ ROW_FIELDS = {
     "min_tokens": Field(np.int32, 0, lambda r, v: r.params.min_tokens),
     # 1: the row adds its slot's row of the logit-bias table (written when the request takes the slot)
     "logit_bias": Field(np.int32, 0, lambda r, v: int(bool(r.params.logit_bias))),
-    "lora": Field(np.int32, 0, lambda r, v: r.lora_slot),    # its LoRA adapter's slot (jaxspec.lora.slots); 0: none
+    # its LoRA adapter's slot (jaxspec.lora.slots; taken at admission: with_request_value); 0: none
+    "lora": Field(np.int32, 0, lambda r, v: r.lora_slot),
     "temperature": Field(np.float32, 0.0, lambda r, v: r.params.temperature),
     "top_p": Field(np.float32, 1.0, lambda r, v: r.params.top_p),
     "min_p": Field(np.float32, 0.0, lambda r, v: r.params.min_p),
@@ -75,6 +76,13 @@ def request_values(req, vocab_size: int) -> tuple[tuple, tuple]:
     """The request's fixed row values (ints, floats) in declaration order, computed once per request."""
     return (tuple(ROW_FIELDS[n].of_request(req, vocab_size) for n in REQUEST_INT_ROWS),
             tuple(ROW_FIELDS[n].of_request(req, vocab_size) for n in REQUEST_FLOAT_ROWS))
+
+
+def with_request_value(ints: tuple, name: str, value: int) -> tuple:
+    """`request_values`' ints with field `name` set anew: a value the request gets after it is built (the LoRA slot
+    it takes when the scheduler admits it)."""
+    i = REQUEST_INT_ROWS.index(name)
+    return ints[:i] + (value,) + ints[i + 1:]
 
 
 class StepInputs:

@@ -119,13 +119,13 @@ def build_parts(model, config: EngineConfig, speculative_config=None) -> EngineP
     blocks = BlockManager(num_blocks, config.block_size, config.max_num_seqs, enable_prefix_caching=caching,
                           key_overlap=int(drafter is not None and drafter.kv_reads_next_token))
     windows = [mc.kv_window] + [c.kv_window for c in draft_configs]   # each reader of the KV
+    adapters = (AdapterSlots(mc, config.max_loras, config.max_lora_rank, runner.write_adapter)
+                if config.enable_lora else None)
     scheduler = Scheduler(blocks, step_config, max_num_seqs=config.max_num_seqs,
                           max_num_batched_tokens=config.max_num_batched_tokens,
                           draft_lookahead=drafter is not None and drafter.needs_kv_lookahead,
                           kv_window=None if None in windows else max(windows),
-                          token_budget=runner.compiled.token_budget)
-    adapters = (AdapterSlots(mc, config.max_loras, config.max_lora_rank, runner.write_adapter)
-                if config.enable_lora else None)
+                          token_budget=runner.compiled.token_budget, adapters=adapters)
     tokenizer = model.tokenizer
     intake = Intake(vocab_size=mc.vocab_size, eos_token_ids=tokenizer.eos_token_ids if tokenizer else mc.eos_token_ids,
                     tokenizer=tokenizer, step_config=step_config, num_kv_blocks=num_blocks,

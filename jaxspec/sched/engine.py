@@ -110,7 +110,11 @@ class Engine:
         if self.failure is not None:
             raise RuntimeError(f"the engine loop stopped after an error: {self.failure!r}")
         group = self.intake.build(prompt_token_ids, params, prompt, request_id, outputs, lora_request)
-        self.submit(group)
+        try:
+            self.submit(group)
+        except BaseException:
+            self.intake.discard(group)
+            raise
         return group
 
     def submit(self, group: list[Request]):
@@ -166,11 +170,14 @@ class Engine:
         req.finish_time = time.perf_counter()
         if self.intake.forget(req) and req.grammar is not None:
             self.grammar_tables.release(req.grammar)
-        if req.lora_slot:
-            self.adapters.release(req.lora_slot)
+        if req.lora_request is not None:   # its adapter's slot goes back (or, still queued, it no longer waits for one)
+            if req.lora_slot:
+                self.adapters.release(req.lora_slot)
+                req.lora_slot = 0
+            else:
+                self.adapters.unstage(req.lora_request)
             self.adapters.record(req.lora_request.lora_name, len(req.output_token_ids), req.num_draft_tokens,
                                  req.num_accepted_tokens)
-            req.lora_slot = 0
 
     def has_unfinished(self) -> bool:
         return bool(self.intake) or self.scheduler.has_work() or self._in_flight is not None
@@ -404,6 +411,7 @@ class Engine:
             out["spec"]["parallel_drafting"] = self.speculative_config.parallel_drafting
         if self.k_chooser is not None:   # adaptive k: the measured step times and acceptance it chooses from
             out["spec"]["chooser"] = self.k_chooser.snapshot()
-        if self.adapters is not None:   # LoRA: slots, loads and the adapters resident now
-            out["lora"] = self.adapters.stats()
+        if self.adapters is not None:   # LoRA: slots, loads, the adapters resident now, and requests waiting for a slot
+            out["lora"] = self.adapters.stats() | {"waiting_for_slot": len(self.scheduler.adapter_waiters),
+                                                   "waited_for_slot": self.scheduler.num_adapter_waits}
         return out

@@ -117,8 +117,8 @@ class Intake:
         """A prompt's SamplingParams.n completions, one Request each (ids "<request_id>-<index>" when n > 1),
         checked first: a ValueError builds nothing. `outputs`: where their deltas go as they are confirmed (an
         object with `put`). Completions after the first wait for the first to have cached the prompt's blocks,
-        then share them. `lora_request`: the jaxspec.LoRARequest they run with (its adapter loaded into a slot
-        here, each completion holding it until it ends), or None."""
+        then share them. `lora_request`: the jaxspec.LoRARequest they run with (its adapter read and checked
+        here; each completion takes its slot when the scheduler admits it and holds it until it ends), or None."""
         grammar = self.validate(prompt_token_ids, params)
         if lora_request is not None and self.adapters is None:
             raise ValueError(f"lora_request {lora_request.lora_name!r} needs an engine built with enable_lora=True "
@@ -136,12 +136,13 @@ class Intake:
                           index=index)
             stop_ids = ([] if sp.ignore_eos else list(self.eos_token_ids)) + sp.stop_token_ids
             req.min_tokens_stop_ids = stop_ids[:MAX_STOP_IDS] if sp.min_tokens else []
-            if lora_request is not None:   # its slot, which its row values name (a ValueError builds nothing)
+            if lora_request is not None:   # its adapter, checked (a ValueError builds nothing); its slot comes later
                 try:
-                    req.lora_request, req.lora_slot = lora_request, self.adapters.acquire(lora_request)
+                    self.adapters.stage(lora_request)
                 except ValueError:
                     self.discard(group)
                     raise
+                req.lora_request = lora_request
             req.row_ints, req.row_floats = request_values(req, self.vocab_size)
             req.step_variant = StepVariant.of(sp)
             req.grammar = grammar
@@ -156,11 +157,11 @@ class Intake:
         return group
 
     def discard(self, group: list[Request]):
-        """A built group that will not be queued: the adapter slots its requests hold go back."""
+        """A built group that will not be queued: its requests' adapters are no longer awaited."""
         for req in group:
-            if req.lora_slot:
-                self.adapters.release(req.lora_slot)
-                req.lora_slot = 0
+            if req.lora_request is not None:
+                self.adapters.unstage(req.lora_request)
+                req.lora_request = None
 
     # ---- the hand-off to the loop ------------------------------------------------------------------
     def submit(self, group: list[Request]):

@@ -3,6 +3,14 @@
 The scheduler plans step N+1 before step N's results are known. Prefill progress is exact; a decoding
 request is planned as if every draft of its in-flight steps were accepted (`Request.num_computed` is an
 upper bound), so the KV blocks it reserves always cover what the device will write.
+
+LoRA (jaxspec.lora.slots): a request takes its adapter's slot when it is admitted. One whose adapter can get no slot
+(every slot held by running requests of other adapters) keeps its place in the queue and is passed over, as vLLM's
+scheduler does; requests behind it are admitted if they need no new slot. Fairness: while a request waits for a slot,
+no request behind it takes a free slot or joins the held slot with the fewest holders (AdapterSlots.draining), so
+that slot empties as its requests end and the first waiter in queue order takes it. A request keeps its slot until
+it ends: through a pass where its KV blocks did not fit, and through preemption (it is readmitted without waiting
+for an adapter again).
 """
 from __future__ import annotations
 
@@ -10,6 +18,7 @@ import dataclasses
 from collections import deque
 from typing import Callable
 
+from jaxspec.decode.inputs import with_request_value
 from jaxspec.sched.block_manager import BlockManager
 from jaxspec.sched.request import Request, Status
 
@@ -31,8 +40,9 @@ class ScheduledRow:
 class Scheduler:
     def __init__(self, blocks: BlockManager, step_config, *, max_num_seqs: int, max_num_batched_tokens: int,
                  draft_lookahead: bool = False, kv_window: int | None = None,
-                 token_budget: Callable[[], int] | None = None):
+                 token_budget: Callable[[], int] | None = None, adapters=None):
         self.blocks = blocks
+        self.adapters = adapters   # jaxspec.lora.slots.AdapterSlots (EngineConfig.enable_lora), or None
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         # The tokens a step may carry, asked each step: max_num_batched_tokens, or while programs compile in the
@@ -49,6 +59,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        # LoRA: queued requests passed over because their adapter could get no slot, and how many ever were
+        self.adapter_waiters: set[Request] = set()
+        self.num_adapter_waits = 0
 
     def add(self, request: Request):
         self.waiting.append(request)
@@ -74,6 +87,7 @@ class Scheduler:
                 continue
             rows.append(self._commit(row))
             budget -= row.num_new
+        passed: list[Request] = []   # waiting for an adapter slot: they keep their place in the queue
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             if req.in_flight:  # a preempted request whose last outputs are still on their way
@@ -81,6 +95,9 @@ class Scheduler:
             leader = req.prefix_leader   # a sibling (SamplingParams.n) waits for the prompt its leader caches
             if leader is not None and not (leader.output_token_ids or leader.finished):
                 break
+            if not self._take_adapter(req, behind_waiter=bool(passed)):
+                passed.append(self.waiting.popleft())
+                continue
             row = self._admit(req, budget)
             if row is None:
                 break
@@ -88,7 +105,25 @@ class Scheduler:
             self.running.append(req)
             rows.append(self._commit(row))
             budget -= row.num_new
+        self.waiting.extendleft(reversed(passed))
         return rows
+
+    def _take_adapter(self, req: Request, behind_waiter: bool) -> bool:
+        """The slot of the request's adapter, unless it has none or holds its slot already: False (the request waits)
+        when none can be had now. The slot goes in the request's `lora` row value, which its first step in a device
+        slot writes (sched/step_builder.py)."""
+        if req.lora_request is None or req.lora_slot:
+            return True
+        slot = self.adapters.acquire(req.lora_request, behind_waiter)
+        if slot is None:
+            if req not in self.adapter_waiters:
+                self.adapter_waiters.add(req)
+                self.num_adapter_waits += 1
+            return False
+        self.adapter_waiters.discard(req)
+        req.lora_slot = slot
+        req.row_ints = with_request_value(req.row_ints, "lora", slot)
+        return True
 
     def _admit(self, req: Request, budget: int) -> ScheduledRow | None:
         """The first row of a waiting request: its prompt (and outputs, after a preemption) minus the
@@ -208,6 +243,7 @@ class Scheduler:
             self._release(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+            self.adapter_waiters.discard(req)
         req.status, req.finish_reason = Status.FINISHED, reason
 
     def _release(self, req: Request):

@@ -77,7 +77,7 @@ class Server:
     def remove_lora(self, name: str):
         if name not in self.lora_modules:
             raise ValueError(f"no adapter named {name!r} is served; served: {sorted(self.lora_modules)}")
-        self.llm.engine.adapters.remove(name)   # refused while requests run with it
+        self.llm.engine.adapters.remove(name)   # refused while requests run with it or wait for it
         del self.lora_modules[name]
 
     async def drain(self, grace: float):

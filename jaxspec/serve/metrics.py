@@ -8,6 +8,10 @@ vLLM server's /metrics (vLLM's Grafana dashboards, llm-d's inference scheduler, 
 Extension's endpoint picker) reads a jaxspec server unmodified. prometheus_client writes a counter called `x` as
 `x_total`, as vLLM's do (`vllm:request_success_total`, ...).
 
+With LoRA (enable_lora), `vllm:lora_requests_info` is vLLM's: a gauge of the scrape's time whose labels say max_lora,
+the adapters running requests hold (running_lora_adapters) and those of queued requests without a slot yet
+(waiting_lora_adapters), comma-separated; `jaxspec:lora_requests_waiting` counts requests waiting for a slot.
+
 Where the two differ in meaning, the vLLM twin follows vLLM:
 - `vllm:prompt_tokens` counts a completion's prompt once per completion that produced a token (vLLM's n
   completions of a prompt are n engine requests, each prefilling it); `jaxspec:prompt_tokens` counts each prompt
@@ -19,13 +23,15 @@ Where the two differ in meaning, the vLLM twin follows vLLM:
 vLLM metrics left out, because the engine does not know their values (no scheduling timestamps, no per-step
 token histogram): vllm:request_queue_time_seconds, vllm:request_prefill_time_seconds,
 vllm:request_inference_time_seconds, vllm:iteration_tokens_total, vllm:time_per_prefill_token_request_seconds,
-vllm:cache_config_info (vLLM's CacheConfig fields), vllm:lora_requests_info (no LoRA), vllm:prompt_tokens_cached
+vllm:cache_config_info (vLLM's CacheConfig fields), vllm:prompt_tokens_cached
 and vllm:prompt_tokens_by_source (the prefix cache's hits are vllm:prefix_cache_hits), and the deprecated
 vllm:gpu_cache_usage_perc / vllm:gpu_prefix_cache_* / vllm:time_per_output_token_seconds. Also left out for now:
 vllm:request_params_n, vllm:request_params_max_tokens and vllm:request_max_num_generation_tokens (the request's
 parameters are not recorded with its end).
 """
 from __future__ import annotations
+
+import time
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -90,6 +96,14 @@ class EngineCollector:
                               pc["hit_tokens"])
         yield self._metric(g, "jaxspec:prefix_cache_blocks", "KV blocks registered in the prefix cache.",
                            pc["cached_blocks"])
+        if "lora" in s:
+            lora = s["lora"]
+            info = g("vllm:lora_requests_info", "Running stats on LoRA requests.",
+                     labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"])
+            info.add_metric([str(lora["max_loras"]), ",".join(lora["queued"]), ",".join(lora["running"])], time.time())
+            yield info
+            yield self._metric(g, "jaxspec:lora_requests_waiting", "Queued requests waiting for an adapter slot.",
+                               lora["waiting_for_slot"])
         if "spec" in s:
             sp = s["spec"]
             yield from self._both(c, "spec_decode_num_drafts", "Verifications of a request's drafts.",
