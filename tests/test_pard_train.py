@@ -183,3 +183,64 @@ def test_loss_weights_count_only_anchors_inside_the_segment():
     np.testing.assert_array_equal(w, [[1, 1, 1, 0, 1, 1, 0, 0],
                                       [0, 1, 1, 0, 0, 1, 0, 0],
                                       [0, 0, 1, 0, 0, 0, 0, 0]])
+
+
+def test_the_hf_writer_writes_what_the_loader_reads_back(tmp_path):
+    """A Qwen2 model (q/k/v biases) written without a source directory (config.json from its ModelConfig) loads back
+    to the same config and params; written again from that directory, its config.json is kept with the extra keys
+    added."""
+    from jaxspec.models.hf_writer import save_hf_model
+    from jaxspec.models.loader import load_model
+    model = random_model(4, arch="qwen2", vocab_size=VOCAB, hidden_size=32, num_layers=2)
+    save_hf_model(tmp_path / "a", model.config, model.params)
+    a = load_model(str(tmp_path / "a"), "float32")
+    assert a.config == model.config
+    jax.tree_util.tree_map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), a.params,
+                           model.params)
+    (tmp_path / "a" / "generation_config.json").write_text("{}")
+    save_hf_model(tmp_path / "b", a.config, a.params, source=a.source, extra={"pard_token": 5})
+    written = json.loads((tmp_path / "b" / "config.json").read_text())
+    assert written == {**json.loads((tmp_path / "a" / "config.json").read_text()), "pard_token": 5}
+    assert (tmp_path / "b" / "generation_config.json").is_file()
+    b = load_model(str(tmp_path / "b"), "float32")
+    jax.tree_util.tree_map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), b.params,
+                           model.params)
+
+
+def test_a_bad_flag_is_answered_before_jax_is_imported():
+    from test_cli import run_command
+    proc, _ = run_command("jaxspec.train.pard_cli", ["--model", "smollm2-135m-instruct", "--out", "x",
+                                                     "--num-drafts", "1"])
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "--num-drafts" in proc.stderr, proc.stderr
+
+
+def test_the_command_trains_an_hf_directory_on_plain_text(tmp_path, smollm2_gguf_path, capsys):
+    """`jaxspec-train-draft` on an HF directory (a random model with SmolLM2's tokenizer and 8 spare embedding rows)
+    and a .jsonl of texts: the mask token is the first spare row, the tokenizer's files are copied, and the engine
+    serves the result as a parallel draft model losslessly with the mask token from its config.json."""
+    from jaxspec.models.gguf_loader import hf_tokenizer_from_gguf
+    from jaxspec.models.hf_writer import save_hf_model
+    from jaxspec.models.loader import load_model
+    from jaxspec.train.pard_cli import main
+    tokenizer = hf_tokenizer_from_gguf(smollm2_gguf_path)
+    model = random_model(6, vocab_size=len(tokenizer) + 8, hidden_size=32, num_layers=2)
+    source = save_hf_model(tmp_path / "source", model.config, model.params)
+    tokenizer.save_pretrained(str(source))
+    text = tmp_path / "texts.jsonl"
+    text.write_text("\n".join(json.dumps({"text": f"def f{i}(x):\n    return x + {i}\n" * 3}) for i in range(12)))
+    out = tmp_path / "out"
+    main(["--model", str(source), "--out", str(out), "--text-path", str(text), "--steps", "3", "--batch-size", "2",
+          "--seq-len", "32", "--num-drafts", "3", "--num-held-out", "2", "--warmup-steps", "1"])
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["steps"] == 3 and "acceptance_length_k3" in printed["held_out"]
+    assert json.loads((out / "config.json").read_text())["pard_token"] == len(tokenizer)
+    assert (out / "tokenizer.json").is_file()
+    target = load_model(str(source), "float32")
+    engine = dict(dtype="float32", max_num_seqs=2, max_model_len=64, max_num_batched_tokens=16, block_size=4,
+                  num_kv_blocks=64, warmup=False)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    plain = LLM(target, **engine).generate(["def f(x):"], params, use_tqdm=False)
+    llm = LLM(target, **engine, speculative_config={"method": "draft_model", "model": str(out),
+                                                    "parallel_drafting": True, "num_speculative_tokens": 3})
+    assert [o.token_ids for o in llm.generate(["def f(x):"], params, use_tqdm=False)] == [o.token_ids for o in plain]
+    assert llm.stats()["spec"]["parallel_drafting"]
