@@ -136,7 +136,7 @@ def test_the_written_model_serves_as_a_parallel_draft_model_losslessly(trained):
     plain decoding's, and its mask drafts are accepted (more than one draft accepted per step on average). The
     target is the trained model itself, loaded from the same directory."""
     from jaxspec.models.loader import load_model
-    _, result, _, out = trained
+    out = trained[3]
     assert json.loads((out / "config.json").read_text())["pard_token"] == MASK
     loaded = load_model(str(out), "float32")
     engine = dict(dtype="float32", max_num_seqs=4, max_model_len=64, max_num_batched_tokens=16, block_size=4,

@@ -60,8 +60,7 @@ def check_writable(config) -> None:
 
 def hf_tensors(config, params: dict) -> dict[str, np.ndarray]:
     """The HF-named float32 tensors of `params` (Decoder.param_schema's layout, unquantized)."""
-    from jaxspec.models.weights import top_rule
-    from jaxspec.models.weights import layer_rule
+    from jaxspec.models.weights import layer_rule, top_rule
     check_writable(config)
     host = jax.device_get(params)
     tensors = {}

@@ -209,7 +209,8 @@ def load_texts(path: str) -> list[str]:
     except FileNotFoundError as e:
         raise FileNotFoundError(f"text file {path!r} does not exist") from e
     except (KeyError, TypeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path!r}: each line of a .jsonl text file is a JSON object with a \"text\" field ({e})") from e
+        raise ValueError(f"{path!r}: each line of a .jsonl text file is a JSON object with a \"text\" field "
+                         f"({e})") from e
 
 
 def concatenate(parts: list[Examples]) -> Examples:

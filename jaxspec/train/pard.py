@@ -27,8 +27,8 @@ import dataclasses
 import functools
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -275,7 +275,7 @@ def restore_or_start(model, checkpoints: eagle3.Checkpoints, config: PardConfig,
     return DraftState(params, opt_state, checkpoints.resume_step)
 
 
-def train(model, examples: Examples, out_dir, config: PardConfig = PardConfig(), held_out: Examples | None = None,
+def train(model, examples: Examples, out_dir, config: PardConfig | None = None, held_out: Examples | None = None,
           progress: bool = True) -> eagle3.TrainResult:
     """Trains (or resumes, from the latest orbax checkpoint under out_dir/checkpoints) `model` (a Model: the draft
     model's pretrained weights) to fill mask tokens and writes it to out_dir in the HF layout with its pard_token,
@@ -283,6 +283,7 @@ def train(model, examples: Examples, out_dir, config: PardConfig = PardConfig(),
     eagle3.train's: inputs checked, state restored or started, steps compiled, the loop, its throughput, the
     held-out evaluation, the model written and training.json."""
     from jaxspec.models.hf_writer import save_hf_model
+    config = PardConfig() if config is None else config
     out_dir = Path(out_dir).absolute()
     mask_token = mask_token_of(model, config)
     check_inputs(model, examples, mask_token)
