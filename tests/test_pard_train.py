@@ -54,7 +54,7 @@ def corpus(n: int, seed: int) -> Examples:
 def test_the_training_forward_gives_the_inference_drafts_at_every_anchor():
     """A packed row of two texts: the training forward's block j at position n+j-1 of each text is the dense
     reference's logits after the text's first n tokens then j mask tokens (what parallel drafting computes for
-    draft j+1), for every anchor n and j; and the batch loss is the reference's cross-entropies over the trained
+    draft j+1), for every anchor n and j (the first text alone in a row too); and the batch loss is the reference's cross-entropies over the trained
     targets (a loss mask over part of the tokens), draft j+1 weighted 0.8 ** j."""
     from reference import Greedy
     model = small_model()
@@ -65,8 +65,10 @@ def test_the_training_forward_gives_the_inference_drafts_at_every_anchor():
     ids = np.asarray(texts[0] + texts[1] + [0, 0], np.int32)
     segments = np.asarray([1] * 7 + [2] * 5 + [0, 0], np.int32)
     loss_mask = np.asarray(rng.random(len(ids)) < 0.7, np.float32) * (segments > 0)
-    logits = np.asarray(jax.jit(lambda p, i, s: pard_logits(Decoder(model.config), p, i, s, MASK, K))(
-        model.params, ids, segments))                                                  # [K, T, V]
+    forward = jax.jit(lambda p, i, s: pard_logits(Decoder(model.config), p, i, s, MASK, K))
+    logits = np.asarray(forward(model.params, ids, segments))                          # [K, T, V]
+    alone = np.asarray(forward(model.params, ids[:7], np.ones(7, np.int32)))          # one text, no padding
+    np.testing.assert_allclose(alone, logits[:, :7], rtol=1e-4, atol=1e-4)
     ce, count = np.zeros(K), np.zeros(K)
     start = 0
     for text in texts:
@@ -244,3 +246,20 @@ def test_the_command_trains_an_hf_directory_on_plain_text(tmp_path, smollm2_gguf
                                                     "parallel_drafting": True, "num_speculative_tokens": 3})
     assert [o.token_ids for o in llm.generate(["def f(x):"], params, use_tqdm=False)] == [o.token_ids for o in plain]
     assert llm.stats()["spec"]["parallel_drafting"]
+
+
+def test_the_acceptance_replay_reads_the_drafts_of_each_anchor():
+    """The held-out replay (eagle3.simulated_acceptance over acceptance_hits) starts its first chain after the prompt
+    token and the first emitted one (anchor n = 2, block j at position 1 + j): with exactly that anchor's k drafts
+    right, its first step accepts all k and no later one accepts any."""
+    from jaxspec.train.eagle3 import simulated_acceptance
+    from jaxspec.train.pard import acceptance_hits
+    k, T = 3, 12
+    hits = np.zeros((k, 1, T), bool)
+    for j in range(k):
+        hits[j, 0, 1 + j] = True
+    mask = np.ones((1, T))
+    mask[0, 0] = 0
+    length, per_position = simulated_acceptance(acceptance_hits(hits), mask, k)
+    steps = 1 / per_position[0]
+    assert per_position == [1 / steps] * k and steps > 1
