@@ -45,5 +45,12 @@ def train_eagle3(model, out_dir, **kwargs):
     return train(model, out_dir, **kwargs)
 
 
-__all__ = ["train_eagle3", "LLM", "SamplingParams", "SpeculativeConfig", "StructuredOutputsParams", "RequestOutput", "generate", "load_model"]
+def train_draft(model, out_dir, **kwargs):
+    """Train a parallel draft model (PARD) from `model`, a small model of the target's tokenizer (see
+    jaxspec.train.train_draft)."""
+    from jaxspec.train import train_draft as train
+    return train(model, out_dir, **kwargs)
+
+
+__all__ = ["train_eagle3", "train_draft", "LLM", "SamplingParams", "SpeculativeConfig", "StructuredOutputsParams", "RequestOutput", "generate", "load_model"]
 __version__ = "0.1.0"

@@ -122,21 +122,26 @@ class Decoder:
         return {k: per_slot_fields(LAYER_KINDS[k].state(self.config, cache)) for k in self.kinds}
 
     # ---- one dense sequence -------------------------------------------------------------------------
-    def dense_forward(self, params: dict, token_ids, aux_layers: tuple[int, ...] = (), segments=None):
+    def dense_forward(self, params: dict, token_ids, aux_layers: tuple[int, ...] = (), segments=None,
+                      positions=None, attention_mask=None):
         """Dense causal forward over one sequence i32[T], no paging: (f32 logits [T, V], hidden [T, D] after the
         final norm, aux [len(aux_layers), T, D] or None). What `score` and EAGLE training run. `segments` i32[T]:
         several sequences packed end to end (a run of equal values is one): positions restart at each and a token
-        attends within its own only."""
+        attends within its own only. A training forward of its own layout (jaxspec.train.pard) gives `positions`
+        i32[T] (each token's rotary position; default: its index, or its place in its segment) and
+        `attention_mask` bool[T, T] (the keys each token sees, within its segment and at or before its position;
+        default: all of those, causal attention)."""
         T = token_ids.shape[0]
         dense = dataclasses.replace(self, ops=dataclasses.replace(self.ops, attention="dense", block_size=T, tp=None))
         slots = jnp.arange(T, dtype=jnp.int32)
-        rows, positions = jnp.zeros(T, jnp.int32), slots
+        rows, default_positions = jnp.zeros(T, jnp.int32), slots
         if segments is not None:   # dense attention sees only keys of the token's own row
-            rows, positions = segments, segment_positions(segments)
+            rows, default_positions = segments, segment_positions(segments)
+        positions = default_positions if positions is None else positions
         state = initialize(dense.state_schema(CacheShape(num_kv_slots=T, num_slots=1)), params["embed"].dtype)
         zero = jnp.zeros((1,), jnp.int32)
         batch = ForwardBatch(token_ids, positions, slots, rows, jnp.zeros((1, 1), jnp.int32),
-                             slots, slot_of_row=zero, first_token_of_row=zero)
+                             slots, slot_of_row=zero, first_token_of_row=zero, dense_mask=attention_mask)
         logits, hidden, aux, _ = dense.forward(params, state, batch, aux_layers)
         return logits, hidden, aux
 

@@ -41,6 +41,10 @@ class ForwardBatch(NamedTuple):
     # i32[T] each token's LoRA adapter slot (0: none; jaxspec.lora.slots), read by the layers' projections where the
     # params hold adapters. None: no adapters.
     lora_of_token: jax.Array | None = None
+    # bool[T, T] dense attention only (Ops.attention "dense"): which keys each token may see, within its row and
+    # its window; None: the keys at or before its position (causal). A training forward's own layout
+    # (Decoder.dense_forward's attention_mask: the parallel draft model's mask blocks, jaxspec.train.pard).
+    dense_mask: jax.Array | None = None
 
 
 def rms_norm(x, weight, eps):
@@ -216,11 +220,14 @@ def paged_attention_reference(q, k_pool, v_pool, layer, batch: ForwardBatch, blo
 def dense_causal_attention(q, k_pool, v_pool, layer, batch: ForwardBatch, block_size: int,
                            window: int | None = None, sinks=None):
     """One sequence whose token t sits at KV slot t: plain causal attention (no pages). Tokens of other rows
-    (`row_of_token`: sequences packed end to end, Decoder.dense_forward) are not seen."""
+    (`row_of_token`: sequences packed end to end, Decoder.dense_forward) are not seen, nor keys that
+    `batch.dense_mask` (when given) hides."""
     T, Hq, hd = q.shape
     k, v = k_pool[layer][:T].astype(q.dtype), v_pool[layer][:T].astype(q.dtype)
     mask = in_window(batch.positions[None, :], batch.positions[:, None], window)
     mask &= batch.row_of_token[None, :] == batch.row_of_token[:, None]
+    if batch.dense_mask is not None:
+        mask &= batch.dense_mask
     return _attend(q.reshape(T, k.shape[1], -1, hd), k, v, mask, 1.0 / math.sqrt(hd), sinks)
 
 

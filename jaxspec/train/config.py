@@ -1,5 +1,6 @@
-"""`TrainConfig`: an EAGLE-3 training run's settings, checked once. Apart from the training code (which imports
-JAX) so that `jaxspec-train-eagle` checks its flags with it before loading anything."""
+"""`TrainConfig`: an EAGLE-3 training run's settings, and `PardConfig` a parallel draft model's, checked once. Apart
+from the training code (which imports JAX) so that `jaxspec-train-eagle` and `jaxspec-train-draft` check their flags
+with them before loading anything."""
 from __future__ import annotations
 
 import dataclasses
@@ -49,3 +50,50 @@ class TrainConfig:
             raise ValueError(f"arch={self.arch!r} is invalid; use one of {', '.join(map(repr, ARCHS))}")
         if self.max_seconds is not None and not self.max_seconds > 0:
             raise ValueError(f"max_seconds={self.max_seconds!r} is invalid; use a positive number or None")
+
+
+@dataclasses.dataclass
+class PardConfig:
+    """A parallel draft model's training run (jaxspec.train.pard): the draft model's every weight trained to fill
+    mask tokens, checked once (apart from the training code, for `jaxspec-train-draft`'s flags)."""
+    steps: int = 2000
+    batch_size: int = 8
+    learning_rate: float = 3e-5
+    warmup_steps: int = 100
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    num_drafts: int = 4             # k: drafts 1..k trained (draft 1 the next token, drafts 2..k from k-1 masks)
+    step_decay: float = 0.8         # weight of draft j+1's loss: step_decay ** j
+    save_every: int = 500           # orbax checkpoint interval (steps); the last step is always saved
+    seed: int = 0
+    # Wall-clock budget of the training loop in seconds, as TrainConfig.max_seconds.
+    max_seconds: float | None = None
+    # The model's matmuls in training: "auto" is bfloat16 on a GPU (f32 master weights and optimizer state) and
+    # float32 elsewhere.
+    compute_dtype: str = "auto"
+    # Several examples end to end in each row (Examples.pack), as TrainConfig.pack.
+    pack: bool = True
+    # The mask token's id; None: the first id past the tokenizer's that the embedding has a row for
+    # (jaxspec.train.pard.default_mask_token).
+    mask_token_id: int | None = None
+
+    def __post_init__(self):
+        for name in ("steps", "batch_size", "save_every"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"{name}={getattr(self, name)!r} is invalid; it must be >= 1")
+        if int(self.num_drafts) < 2:
+            raise ValueError(f"num_drafts={self.num_drafts!r} is invalid; a parallel draft model proposes at least "
+                             "2 drafts (the first from the sequence, the rest from mask tokens)")
+        if int(self.warmup_steps) < 0:
+            raise ValueError(f"warmup_steps={self.warmup_steps!r} is invalid; it must be >= 0")
+        if not 0 < self.learning_rate < 1:
+            raise ValueError(f"learning_rate={self.learning_rate!r} is invalid; use a value in (0, 1)")
+        if not 0 < self.step_decay <= 1:
+            raise ValueError(f"step_decay={self.step_decay!r} is invalid; use a value in (0, 1]")
+        if self.max_seconds is not None and not self.max_seconds > 0:
+            raise ValueError(f"max_seconds={self.max_seconds!r} is invalid; use a positive number or None")
+        if self.mask_token_id is not None and int(self.mask_token_id) < 0:
+            raise ValueError(f"mask_token_id={self.mask_token_id!r} is invalid; it must be >= 0")
+        if self.compute_dtype not in ("auto", "bfloat16", "float16", "float32"):
+            raise ValueError(f"compute_dtype={self.compute_dtype!r} is invalid; use auto, bfloat16, float16 or "
+                             "float32")

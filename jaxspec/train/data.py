@@ -182,6 +182,46 @@ def render(tokenizer, conversations: list[list[dict]], seq_len: int, min_target_
     return Examples(np.asarray(rows_ids, np.int32), np.asarray(rows_mask, np.float32), np.asarray(lengths, np.int32))
 
 
+def render_text(tokenizer, texts: list[str], seq_len: int, min_tokens: int = 8) -> Examples:
+    """Plain text (a parallel draft model's pretraining-like data, jaxspec.train.pard): each text encoded as a string
+    prompt is (special tokens added), cut into rows of `seq_len` tokens, every token marked (a row's first is the
+    context of the rest); pieces shorter than `min_tokens` are dropped."""
+    rows = []
+    for text in texts:
+        ids = tokenizer.encode(text, add_special_tokens=True)
+        rows += [ids[i:i + seq_len] for i in range(0, len(ids), seq_len) if len(ids) - i >= min_tokens]
+    if not rows:
+        raise ValueError(f"nothing to train on: none of the {len(texts)} texts has >= {min_tokens} tokens")
+    ids, mask = np.zeros((len(rows), seq_len), np.int32), np.zeros((len(rows), seq_len), np.float32)
+    for r, row in enumerate(rows):
+        ids[r, :len(row)], mask[r, :len(row)] = row, 1.0
+    return Examples(ids, mask, np.asarray([len(row) for row in rows], np.int32))
+
+
+def load_texts(path: str) -> list[str]:
+    """The texts of a file: a .jsonl file's {"text": TEXT} lines, or any other file's whole content as one text."""
+    import json
+    try:
+        with open(path, encoding="utf-8") as f:
+            if not path.endswith(".jsonl"):
+                return [f.read()]
+            return [json.loads(line)["text"] for line in f if line.strip()]
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"text file {path!r} does not exist") from e
+    except (KeyError, TypeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path!r}: each line of a .jsonl text file is a JSON object with a \"text\" field "
+                         f"({e})") from e
+
+
+def concatenate(parts: list[Examples]) -> Examples:
+    """Unpacked examples of one row length, end to end."""
+    parts = [p for p in parts if p is not None]
+    if len(parts) == 1:
+        return parts[0]
+    return Examples(np.concatenate([p.ids for p in parts]), np.concatenate([p.mask for p in parts]),
+                    np.concatenate([p.row_lengths() for p in parts]).astype(np.int32))
+
+
 def regenerate(llm, conversations: list[list[dict]], max_tokens: int, temperature: float = 0.0,
                seed: int = 0) -> list[list[dict]]:
     """Self-distillation data: each conversation's first user turn answered by the target itself (through

@@ -420,7 +420,7 @@ def train(target, examples: Examples, out_dir, config: TrainConfig = TrainConfig
     started = time.perf_counter()
     cache, target_seconds = (cache_target_outputs(target, examples, steps, config, progress)
                              if config.cache_target_outputs else (None, None))
-    run = training_loop(target, examples, state, steps, cache, checkpoints, config, started, progress)
+    run = training_loop(target.params, examples, state, steps, cache, checkpoints, config, started, progress)
     throughput = measure_throughput(target, examples, config, run, steps, target_seconds)
     if progress and throughput:
         print(format_throughput(throughput))
@@ -639,20 +639,23 @@ class LoopRun:
     last_batch: Batch | None
 
 
-def training_loop(target, examples: Examples, state: HeadState, steps: TrainingSteps, cache,
-                  checkpoints: Checkpoints, config: TrainConfig, started: float, progress: bool) -> LoopRun:
+def training_loop(target_params, examples: Examples, state: HeadState, steps: TrainingSteps, cache,
+                  checkpoints: Checkpoints, config: TrainConfig, started: float, progress: bool,
+                  desc: str | None = None, num_accuracies: int | None = None) -> LoopRun:
     """Steps state.step .. config.steps: each on its seeded batch at the schedule's learning rate, a checkpoint
     every config.save_every steps and at the last. With config.max_seconds, the steps BUDGET_TIMED after the first
     are timed and the run is cut to the steps that fit in the budget (counted from `started`), the schedule
     decaying over the cut count. The device runs ahead of the host: the loop waits on it only to time (the steady
     rate from STEADY_AFTER steps in to the last step, before the last save), and the progress bar shows the step
-    before's loss, which is done by the time it is read."""
+    before's loss, which is done by the time it is read. `target_params` are passed to every steps.train_step;
+    another trainer (jaxspec.train.pard) passes its own steps, its bar's `desc` and the width of its per-step
+    accuracies (`num_accuracies`; default config.ttt_steps)."""
     from tqdm.auto import tqdm
     params, opt_state, first_step = state.params, state.opt_state, state.step
     total_steps, lr_at = config.steps, learning_rate_schedule(config, config.steps)
     steady_from = first_step + STEADY_AFTER
     timed_from, timed_until = (first_step + n for n in BUDGET_TIMED)
-    bar = tqdm(total=total_steps, initial=first_step, desc=f"training EAGLE-3 ({config.arch})", disable=not progress,
+    bar = tqdm(total=total_steps, initial=first_step, desc=desc or f"training EAGLE-3 ({config.arch})", disable=not progress,
                unit="step")
     step, losses, accs, batch, t_steady, data_seconds = first_step, [], [], None, None, 0.0
     while step < total_steps:
@@ -660,7 +663,7 @@ def training_loop(target, examples: Examples, state: HeadState, steps: TrainingS
         batch = training_batch(examples, cache, config, step)
         if step >= steady_from:
             data_seconds += time.perf_counter() - t_data
-        params, opt_state, loss, acc = steps.train_step(params, opt_state, target.params, batch.ids, batch.mask,
+        params, opt_state, loss, acc = steps.train_step(params, opt_state, target_params, batch.ids, batch.mask,
                                                         np.float32(lr_at(step)), batch.cached, batch.segments)
         losses.append(loss)
         accs.append(acc)
@@ -695,7 +698,7 @@ def training_loop(target, examples: Examples, state: HeadState, steps: TrainingS
     bar.close()
     checkpoints.wait_until_finished()
     return LoopRun(params, [float(x) for x in jax.device_get(losses)],
-                   np.asarray(jax.device_get(accs)).reshape(-1, config.ttt_steps), total_steps, steady_seconds,
+                   np.asarray(jax.device_get(accs)).reshape(-1, num_accuracies or config.ttt_steps), total_steps, steady_seconds,
                    data_seconds / max(step - steady_from, 1), batch)
 
 
