@@ -251,10 +251,12 @@ def lora_delta(x, a, b, slot_of_row):
     """Each row's adapter product: x [T, K], a [N, R, K] and b [N, ..., R] the adapter slots' A and B (the scaling in
     B), slot_of_row i32[T] -> f32 [T, prod(...)], row t's b[s] @ a[s] @ x[t] with s = slot_of_row[t]. Every slot's
     x @ A (N x R columns: a few hundred) then one product with the slots' B stacked, the other slots' columns zeroed:
-    two dense matmuls, no per-row gather of B (a prefill chunk's rows times B's size). Slot 0, zeros, adds 0."""
+    two dense matmuls, no per-row gather of B (a prefill chunk's rows times B's size). Slot 0 (no adapter) is zeros:
+    it is left out of both, so a step reads the max_loras adapters' A and B and nothing more."""
+    a, b = a[1:], b[1:]
     N, R = a.shape[0], a.shape[1]
     xa = jnp.einsum("tk,nrk->tnr", x, a, preferred_element_type=jnp.float32)                # [T, N, R]
-    mine = slot_of_row[:, None, None] == jnp.arange(N, dtype=slot_of_row.dtype)[None, :, None]
+    mine = slot_of_row[:, None, None] == jnp.arange(1, N + 1, dtype=slot_of_row.dtype)[None, :, None]
     xa = jnp.where(mine, xa, 0.0).reshape(x.shape[0], N * R)
     b = jnp.transpose(b.reshape(N, -1, R), (0, 2, 1)).reshape(N * R, -1)                # [N*R, out]
     return jnp.dot(xa, b.astype(jnp.float32))
