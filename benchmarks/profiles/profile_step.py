@@ -3,8 +3,9 @@
     python3 benchmarks/profiles/profile_step.py --model qwen2.5-coder-1.5b-instruct --batches 1 32 --trace-dir /tmp/trace
 
 `--structured-json SCHEMA --tokenizer DIR` constrains every live row (compact JSON; the grammar's variant of the
-step); `--ngram` profiles the n-gram speculative step. The replayed device step is timed first, from the state
-the prefill leaves, so a constrained row walks through its JSON's states as it would in a run.
+step); `--ngram` profiles the n-gram speculative step; `--matmuls` adds each projection's bytes, time and share of
+the copy bandwidth at each batch's rows (matmul_table.py's table). The replayed device step is timed first, from the
+state the prefill leaves, so a constrained row walks through its JSON's states as it would in a run.
 """
 import argparse
 import collections
@@ -125,6 +126,8 @@ def main():
                    "engine's own loop (one batch after another, each from a fresh engine state)")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="devices the model is split over; the "
                    "breakdowns read the first device's kernels")
+    p.add_argument("--matmuls", action="store_true", help="after the step table, each projection of the step timed "
+                   "alone at each batch's rows against the copy bandwidth (benchmarks/profiles/matmul_table.py)")
     a = p.parse_args()
     if a.attention_splits:
         import jaxspec.pallas.paged_attention as pa
@@ -230,6 +233,9 @@ def main():
     print(f"{'batch':>6}{'T':>5}{'step ms':>10}{'bound ms':>10}{'step/bound':>12}")
     for b, T, s, bd in rows:
         print(f"{b:>6}{T:>5}{s:>10.3f}{bd:>10.3f}{s / bd:>12.2f}")
+    if a.matmuls:
+        from matmul_table import markdown, matmul_rows  # (this directory)
+        print(markdown(matmul_rows(model, [b * (1 + k) for b in a.batches], a.quantization)))
 
 
 if __name__ == "__main__":
