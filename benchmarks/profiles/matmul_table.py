@@ -10,7 +10,8 @@ the arguments the layer gives it (its input norm, residual, activation), over ev
 waiting on the layer before's output (one small elementwise op: fused into XLA's matmul, a kernel of a few us of its
 own before a gemv kernel, counted in its time). The path column says which ran: "gemv" or "xla". One timed call
 runs the whole stack `--inner` times in a device loop (so the host's ~150 us dispatch is not counted), the best of
-`--repeats` calls after a warm-up compile.
+`--repeats` calls after a warm-up compile with the engine's XLA options for a step of that many tokens
+(`Ops.compiler_options`: autotuned Triton GEMMs below 128, cuBLAS from there).
 
     python3 benchmarks/profiles/matmul_table.py --model qwen2.5-coder-1.5b-instruct [--rows 1 8 32] \
         [--quantization fp8] [--json /tmp/matmuls.json]
@@ -118,7 +119,8 @@ def layer_projection(ops, config, stacks: dict, call: Call, rows: int, dtype, in
         return jax.lax.scan(body, x, stacks)[0]
 
     fn = jax.jit(lambda x, stacks, residual, zero: jax.lax.fori_loop(
-        0, inner, lambda _, x: step(x, stacks, residual, zero), x))
+        0, inner, lambda _, x: step(x, stacks, residual, zero), x),
+                 compiler_options=ops.compiler_options(rows) or None)
     seconds = _timed(fn, (x, stacks, residual, jnp.float32(0)), inner, repeats)
 
     def first_layer(stacks, x, residual):
@@ -141,7 +143,8 @@ def head_projection(ops, params: dict, rows: int, dtype, inner: int, repeats: in
     def one(head, x):
         return ops.linear(x, head, name, out_dtype=jnp.float32)
 
-    fn = jax.jit(lambda x, head, zero: jax.lax.fori_loop(0, inner, lambda _, x: _chained(x, one(head, x), zero), x))
+    fn = jax.jit(lambda x, head, zero: jax.lax.fori_loop(0, inner, lambda _, x: _chained(x, one(head, x), zero), x),
+                 compiler_options=ops.compiler_options(rows) or None)
     seconds = _timed(fn, (x, head, jnp.float32(0)), inner, repeats)
     return {"name": name, "shape": list(w.shape), "dtype": str(w.dtype), "layers": 1,
             "bytes": weight_nbytes(head, name), "seconds": seconds,
@@ -215,7 +218,8 @@ def markdown(result: dict) -> str:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="qwen2.5-coder-1.5b-instruct", help="a preset (random weights of its shapes)")
-    p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32], help="decode rows (tokens) in the step")
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32], help="tokens in the step (a decode step's rows, "
+                   "padded to the engine's bucket: ModelRunner.bucket_for)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--quantization", choices=["fp8"], help="the engine's quantization (weights quantized on load)")
     p.add_argument("--inner", type=int, default=20, help="steps' worth of each projection per timed call")

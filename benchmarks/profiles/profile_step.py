@@ -4,8 +4,8 @@
 
 `--structured-json SCHEMA --tokenizer DIR` constrains every live row (compact JSON; the grammar's variant of the
 step); `--ngram` profiles the n-gram speculative step; `--matmuls` adds each projection's bytes, time and share of
-the copy bandwidth at each batch's rows (matmul_table.py's table). The replayed device step is timed first, from the
-state the prefill leaves, so a constrained row walks through its JSON's states as it would in a run.
+the copy bandwidth at each batch's bucket of tokens (matmul_table.py's table). The replayed device step is timed
+first, from the state the prefill leaves, so a constrained row walks through its JSON's states as it would in a run.
 """
 import argparse
 import collections
@@ -127,7 +127,8 @@ def main():
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="devices the model is split over; the "
                    "breakdowns read the first device's kernels")
     p.add_argument("--matmuls", action="store_true", help="after the step table, each projection of the step timed "
-                   "alone at each batch's rows against the copy bandwidth (benchmarks/profiles/matmul_table.py)")
+                   "alone at each batch's bucket of tokens against the copy bandwidth "
+                   "(benchmarks/profiles/matmul_table.py)")
     a = p.parse_args()
     if a.attention_splits:
         import jaxspec.pallas.paged_attention as pa
@@ -235,7 +236,7 @@ def main():
         print(f"{b:>6}{T:>5}{s:>10.3f}{bd:>10.3f}{s / bd:>12.2f}")
     if a.matmuls:
         from matmul_table import markdown, matmul_rows  # (this directory)
-        print(markdown(matmul_rows(model, [b * (1 + k) for b in a.batches], a.quantization)))
+        print(markdown(matmul_rows(model, sorted({T for _, T, *_ in rows}), a.quantization)))   # the buckets' tokens
 
 
 if __name__ == "__main__":
