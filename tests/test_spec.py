@@ -14,8 +14,8 @@ and real models).
 """
 import numpy as np
 import pytest
-
 from conftest import spec_config
+
 from jaxspec import LLM, SamplingParams
 from jaxspec.nn import Decoder
 
