@@ -369,6 +369,25 @@ def smollm2_hf_model(smollm2_gguf_path):
 # ---- the speculation tests' tiny target and drafters (tests/test_spec.py; shared with test_adaptive_k.py,
 # test_prefix_cache.py and test_tp.py): session-scoped, so a worker builds and fits them once --------------
 SPEC_VOCAB = 128
+# "draft_model_parallel": the draft_model cases' draft model drafting in parallel (PARD's recipe, docs/
+# parallel_drafting.md: drafts 2..k from one forward over k-1 mask tokens). Any id could be the mask token of a
+# model never trained with one, and after most ids its drafts 2..k are never the target's: with 125 (one of three of
+# the 128, found by replaying the greedy runs of the spec tests on the dense references) a second draft is accepted
+# in the greedy runs of test_spec_counts_recomputed_on_host, test_async_matches_sync and
+# test_cached_prefixes_draft_and_accept_what_the_host_recomputes, so the mask tokens' KV at an accepted second
+# draft's position is rewritten there too.
+SPEC_MASK_TOKEN = 125
+
+
+def spec_config(method: str, drafters: dict, k: int, **options) -> dict:
+    """The speculative_config of one of the speculation tests' methods (a spec_drafters key) with k drafts:
+    "draft_model_parallel" is method "draft_model" with parallel_drafting and SPEC_MASK_TOKEN."""
+    spec = dict(method=method, num_speculative_tokens=k, **options)
+    if method == "draft_model_parallel":
+        spec.update(method="draft_model", parallel_drafting=True, mask_token_id=SPEC_MASK_TOKEN)
+    if method != "ngram":
+        spec["model"] = drafters[method]
+    return spec
 
 
 @pytest.fixture(scope="session")
@@ -380,7 +399,8 @@ def spec_target():
 @pytest.fixture(scope="session")
 def spec_drafters(spec_target, tmp_path_factory):
     """method -> `SpeculativeConfig.model` for that method: a perturbed copy of the target (it agrees with
-    the target often but not always), EAGLE heads fitted to the target, nothing for n-gram.
+    the target often but not always) for draft_model and draft_model_parallel (the same model), EAGLE heads
+    fitted to the target, nothing for n-gram.
 
     Under xdist the heads are fitted once per run, by the first worker that needs them, into the directory
     the run's workers share (the parent of their base temp directories, made for this run); the others wait
@@ -398,16 +418,18 @@ def spec_drafters(spec_target, tmp_path_factory):
             fit_eagle_head("eagle", heads["eagle"], target, seed=2, num_layers=2, reg_weight=5.0)
             fit_eagle_head("eagle3", heads["eagle3"], target, seed=3, reg_weight=5.0)
             (root / "fitted").touch()
-    return {"draft_model": random_model(1, vocab_size=SPEC_VOCAB, num_layers=4, base=target, noise=0.15),
-            **heads, "ngram": None}
+    draft = random_model(1, vocab_size=SPEC_VOCAB, num_layers=4, base=target, noise=0.15)
+    return {"draft_model": draft, "draft_model_parallel": draft, **heads, "ngram": None}
 
 
 @pytest.fixture(scope="session")
 def spec_references(spec_target, spec_drafters):
     """The independent dense references: "target" (Greedy: the target's greedy continuations), "heads"
     ({method: EagleReference}) and "propose" ({method: propose(sequence, k) -> the k greedy drafts the
-    method must hold after `sequence`})."""
+    method must hold after `sequence`}; draft_model_parallel's: the draft model's argmax after the sequence then
+    j mask tokens, j = 0..k-1, from one dense forward over the sequence and k-1 mask tokens, causal)."""
     import json
+    import numpy as np
     from safetensors.numpy import load_file
     from reference import EagleReference, Greedy, ngram_drafts
     from jaxspec.models.config import ModelConfig
@@ -418,8 +440,12 @@ def spec_references(spec_target, spec_drafters):
         hcfg = ModelConfig.from_hf({"model_type": "llama", **json.loads((path / "config.json").read_text())})
         heads[method] = EagleReference(method, load_file(str(path / "model.safetensors")), hcfg, target.hf_tensors,
                                        target.config)
-    draft = drafters["draft_model"]
-    propose = {"draft_model": Greedy(draft.hf_tensors, draft.config).next_tokens,
+    draft = Greedy(drafters["draft_model"].hf_tensors, drafters["draft_model"].config)
+
+    def parallel_drafts(seq, k):
+        logits = draft.logits(list(seq) + [SPEC_MASK_TOKEN] * (k - 1))[len(seq) - 1:]
+        return [int(t) for t in np.argmax(logits, axis=-1)]
+    propose = {"draft_model": draft.next_tokens, "draft_model_parallel": parallel_drafts,
                "ngram": lambda seq, k: ngram_drafts(list(seq), k, 2, 4),
                **{m: h.greedy_drafts for m, h in heads.items()}}
     return {"target": Greedy(target.hf_tensors, target.config), "heads": heads, "propose": propose}

@@ -1,6 +1,8 @@
 """A parallel draft model (SpeculativeConfig(method="draft_model", parallel_drafting=True), PARD's recipe): drafts
 2..k come from one forward over k-1 mask tokens after the row's last token, against a dense reference, and
-speculation with it stays lossless (greedy and seeded sampling)."""
+speculation with it stays lossless (greedy and seeded sampling). Its cases in the speculation matrices
+(draft_model_parallel: conftest.spec_config) check the sampled distribution, async against sync, preemption and
+prefix caching."""
 import numpy as np
 import pytest
 
@@ -47,6 +49,53 @@ def test_drafts_after_every_step_are_the_mask_forward_of_a_dense_reference(spec_
     assert check_drafts_every_step(engine, reqs, propose, K) >= 10
     spec = llm.stats()["spec"]
     assert 0 < spec["accepted_tokens"] < spec["draft_tokens"]
+
+
+def test_draft_distributions_through_prefix_cache_hits_and_preemption_are_the_dense_references(spec_target, draft):
+    """Sync, four greedy requests after a shared prefix of two blocks, in a pool too small for them: they start from
+    the cached blocks, are preempted and come back through their own cached blocks (prompt and outputs). With
+    sampled drafts the device keeps each draft's distribution, for a greedy request the log-softmax of the draft
+    model's logits: after every step each request that emitted holds the dense reference's drafts and
+    distributions (float32, to 4e-5 nats), one causal forward over its sequence then K-1 mask tokens. The mask
+    tokens' KV is written in the look-ahead past the row's tokens; left where a later step reads it (a block cached
+    or re-prefilled with mask KV in it, an accepted draft's position the next pass does not rewrite), or a mask
+    token at another position, moves these logits, which the drafts alone often miss (the tiny models' next token
+    depends mostly on the current one, here a mask token). The mask token is the speculation matrices'
+    (conftest.SPEC_MASK_TOKEN), under which some second drafts are accepted."""
+    from conftest import SPEC_MASK_TOKEN
+    from reference import Greedy
+    greedy = Greedy(draft.hf_tensors, draft.config)
+    shared = prompt_of(2 * ENGINE["block_size"], 19)   # (prompts whose greedy runs accept second drafts)
+    prompts = [shared + prompt_of(n, 20 + i) for i, n in enumerate([1, 4, 6, 9])]
+    llm = parallel_llm(spec_target, draft, async_scheduling=False, num_kv_blocks=14,
+                       spec={"mask_token_id": SPEC_MASK_TOKEN, "draft_sampling": "sample"})
+    engine = llm.engine
+    reqs = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)) for p in prompts]
+    checked, worst = 0, 0.0
+    while not all(r.finished for r in reqs):
+        emitted = [len(r.output_token_ids) for r in reqs]
+        engine.step()
+        for r, before in zip(reqs, emitted):
+            if len(r.output_token_ids) > before and not r.finished:
+                seq = r.prompt_token_ids + r.output_token_ids
+                logits = greedy.logits(seq + [SPEC_MASK_TOKEN] * (K - 1))[len(seq) - 1:]      # [K, V] causal
+                state = engine.runner.state
+                held = np.asarray(state.drafts)[r.slot, :K].tolist()
+                assert held == np.argmax(logits, axis=-1).tolist(), f"request {r.request_id} after {len(seq)} tokens"
+                q = np.asarray(state.drafter["draft_logprobs"])[r.slot, :K]
+                worst = max(worst, float(np.abs(q - log_softmax(logits)).max()))
+                checked += 1
+    assert worst <= 4e-5, worst
+    stats = llm.stats()
+    assert checked >= 20 and stats["num_preemptions"] > 0, (checked, stats["num_preemptions"])
+    assert stats["prefix_cache"]["hit_tokens"] > len(prompts) * len(shared) - len(shared), stats["prefix_cache"]
+    spec = stats["spec"]
+    assert spec["per_position_acceptance"][1] > 0 and spec["accepted_tokens"] < spec["draft_tokens"], spec
+
+
+def log_softmax(x):
+    x = x - x.max(axis=-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
 
 
 def test_parallel_drafting_is_lossless_greedy_and_seeded(spec_target, draft):

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from reference import greedy_spec_counts
-from test_spec import ENGINE, METHODS, assert_greedy_lossless, drafters, make_llm, prompt_of, references, run, target  # noqa: F401
+from test_spec import (ENGINE, METHODS, PARALLEL, assert_greedy_lossless, drafters, make_llm,  # noqa: F401
+                       prompt_of, references, run, target)
 from jaxspec import LLM, SamplingParams
 from jaxspec.sched import block_manager as bm
 from jaxspec.sched.block_manager import BlockManager
@@ -89,7 +90,7 @@ SYSTEM = prompt_of(2 * BS, 90)                 # two blocks the first two prompt
 RECURRING = [2, 25, 97, 120, 99, 29, 83, 65, 55, 31, 107, 75, 87, 57, 4, 75, 87, 57, 0, 25]
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", METHODS + (PARALLEL,))
 def test_cached_prefixes_draft_and_accept_what_the_host_recomputes(target, drafters, references, method):
     """A first wave fills the cache. Then a request diverging right after the shared two blocks, one that
     repeats a first prompt and the start of its output, and one that repeats a first prompt whole start from

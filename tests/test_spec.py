@@ -14,6 +14,7 @@ and real models).
 """
 import numpy as np
 import pytest
+from conftest import spec_config
 
 from jaxspec import LLM, SamplingParams
 from jaxspec.nn import Decoder
@@ -23,6 +24,10 @@ VOCAB = 128   # conftest.SPEC_VOCAB
 ENGINE = dict(dtype="float32", max_num_seqs=4, max_model_len=48, max_num_batched_tokens=8, block_size=4,
               num_kv_blocks=16)
 METHODS = ("draft_model", "eagle", "eagle3", "ngram")
+# The draft model drafting in parallel (conftest.spec_config), in the cases where its own path can go wrong: the
+# mask tokens' KV, written past the row's tokens and rewritten by the next step's pass, and drafts 2..k from one
+# forward (their distributions, their keys), through async scheduling, preemption and prefix caching.
+PARALLEL = "draft_model_parallel"
 
 
 def prompt_of(length: int, seed: int) -> list[int]:
@@ -51,10 +56,10 @@ def make_llm(target, drafters, method, k, *, draft_sampling="argmax", async_sche
              warmup=False, draft_tensor_parallel_size=None, **engine):
     """An engine that compiles the steps it runs when it first runs them (warmup=True: every bucket and warm
     variant at start-up, as a server does; what the recompile count checks)."""
-    spec = dict(method=method, num_speculative_tokens=k, draft_sampling=draft_sampling,
-                draft_tensor_parallel_size=draft_tensor_parallel_size)
-    if method != "ngram":
-        spec["model"] = draft if draft is not None else drafters[method]
+    spec = spec_config(method, drafters, k, draft_sampling=draft_sampling,
+                       draft_tensor_parallel_size=draft_tensor_parallel_size)
+    if draft is not None:
+        spec["model"] = draft
     return LLM(target, **{**ENGINE, "warmup": warmup, **engine}, async_scheduling=async_scheduling,
                speculative_config=spec)
 
@@ -182,8 +187,10 @@ def test_draft_model_accepts_what_the_unfolded_drafter_accepted(target, drafters
         assert np.round(np.asarray(spec["per_position_acceptance"]) * spec["drafts"]).astype(int).tolist() == per_position
 
 
+# (The parallel draft model with sampled drafts: drafts 2..k drawn from one forward's distributions with keys 2..k,
+# the distributions the next step's verification reads, and the mask KV rewritten by a step async plans ahead of.)
 ASYNC_CASES = [("draft_model", "argmax"), ("draft_model", "sample"), ("eagle", "argmax"), ("eagle3", "argmax"),
-               ("ngram", "argmax")]
+               ("ngram", "argmax"), (PARALLEL, "sample")]
 
 
 @pytest.mark.parametrize("method,draft_sampling", ASYNC_CASES)

@@ -9,8 +9,8 @@ import pytest
 from conftest import random_model
 from eagle_heads import write_eagle1_head, write_eagle3_head
 from reference import greedy_spec_counts
-from test_spec import (ENGINE, METHODS, VOCAB, assert_partial_acceptance, drafters, log_softmax,  # noqa: F401
-                       make_llm, prompt_of, references, run, target)
+from test_spec import (ENGINE, METHODS, PARALLEL, VOCAB, assert_partial_acceptance, drafters,  # noqa: F401
+                       log_softmax, make_llm, prompt_of, references, run, target)
 from jaxspec import SamplingParams
 from jaxspec.nn import CacheShape, Decoder, ForwardBatch, Ops, schema
 
@@ -101,7 +101,7 @@ def test_eagle1_draft_distributions_match_a_dense_reference(target, drafters, re
     assert_partial_acceptance(llm.stats()["spec"], 2)
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", METHODS + (PARALLEL,))
 def test_spec_counts_recomputed_on_host(target, drafters, references, method):
     """Greedy runs in the partial-acceptance regime: each request's drafted and accepted counts, and the
     engine's accepted count per draft position, equal a step-by-step host recomputation from the reference

@@ -11,8 +11,9 @@ import pytest
 
 from conftest import optimize_steps
 from reference import target_forward
-from test_spec import (ENGINE, METHODS, assert_partial_acceptance, drafters, log_softmax, make_llm,  # noqa: F401
-                       prompt_of, references, run, target)
+from conftest import spec_config
+from test_spec import (ENGINE, METHODS, PARALLEL, assert_partial_acceptance, drafters, log_softmax,  # noqa: F401
+                       make_llm, prompt_of, references, run, target)
 from jaxspec import LLM, SamplingParams
 from jaxspec.decode.step import StepVariant
 
@@ -62,7 +63,11 @@ def chi2_rejects(counts: dict, probs: dict, n: int) -> bool:
     return stat > df * (1 - 2 / (9 * df) + 3.72 * math.sqrt(2 / (9 * df))) ** 3
 
 
-SAMPLED_CASES = [(m, ds) for m in ("draft_model", "eagle", "eagle3") for ds in ("argmax", "sample")] + [("ngram", "argmax")]
+# (The parallel draft model with sampled drafts: its second draft is drawn from the mask token's distribution,
+# which the verification of that position must read; its argmax drafts are seeded plain decoding's tokens,
+# tests/test_parallel_draft_model.py and the preemption test below.)
+SAMPLED_CASES = ([(m, ds) for m in ("draft_model", "eagle", "eagle3") for ds in ("argmax", "sample")]
+                 + [("ngram", "argmax"), (PARALLEL, "sample")])
 DIST_ENGINE = dict(ENGINE, max_num_seqs=64, max_num_batched_tokens=64, num_kv_blocks=64 * 5, warmup=False)
 
 
@@ -95,9 +100,7 @@ def test_sampled_speculation_keeps_the_target_distribution(target, drafters, dis
     drafts the tokens are also exactly those of plain decoding with the same seeds."""
     k = 2
     prompt, params, probs = dist_reference["prompt"], dist_reference["params"], dist_reference["probs"]
-    spec = dict(method=method, num_speculative_tokens=k, draft_sampling=draft_sampling)
-    if method != "ngram":
-        spec["model"] = drafters[method]
+    spec = spec_config(method, drafters, k, draft_sampling=draft_sampling)
     # the steps compiled with LLVM's optimisation (conftest.optimize_steps): 2000 requests run them far more often
     # than they compile (~1/5 less time a case; plain decoding's steps, above, run too few times to gain)
     llm = optimize_steps(LLM(target, **DIST_ENGINE, speculative_config=spec))
@@ -143,7 +146,7 @@ def seeded_plain(target):
     return run(LLM(target, **{**ENGINE, "num_kv_blocks": 64, "warmup": False}), SEEDED_PROMPTS, SEEDED_PARAMS)
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", METHODS + (PARALLEL,))
 def test_seeded_speculation_under_forced_preemption(target, drafters, seeded_plain, method):
     """Seeded sampling with argmax drafts and a pool too small for the batch: requests are preempted and
     re-prefilled mid-run, and every token is still the one plain decoding (no speculation, no preemption)
