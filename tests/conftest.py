@@ -385,7 +385,7 @@ def spec_config(method: str, drafters: dict, k: int, **options) -> dict:
     spec = dict(method=method, num_speculative_tokens=k, **options)
     if method == "draft_model_parallel":
         spec.update(method="draft_model", parallel_drafting=True, mask_token_id=SPEC_MASK_TOKEN)
-    if method != "ngram":
+    if method != "ngram" and method in drafters:   # (a caller with a drafter of its own sets it after)
         spec["model"] = drafters[method]
     return spec
 
