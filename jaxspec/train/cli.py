@@ -82,6 +82,12 @@ def check_args(p: ArgumentParser, args):
 def main(argv=None):
     """The `jaxspec-train-eagle` console script: a bad flag is one line and exit code 2, a failure at run time
     (a missing file, a model that cannot load) one line and exit code 1."""
+    console_main(argv, build_parser, check_args, run_training)
+
+
+def console_main(argv, build_parser, check_args, run_training):
+    """A trainer's console script (jaxspec-train-eagle, jaxspec-train-draft): its flags parsed and checked before
+    anything imports JAX, then the run, its errors one line each."""
     from jaxspec import xla_flags
     xla_flags.release_update_mode()   # no decode step replayed here; its allocator crashed the checkpoint save
     p = build_parser()
@@ -89,6 +95,15 @@ def main(argv=None):
     with one_line_errors(p.prog):
         check_args(p, args)
         run_training(args)
+
+
+def result_json(result) -> str:
+    """A finished run's summary, as both trainers print it."""
+    return json.dumps({"out": str(result.out_dir), "steps": len(result.losses), "first_step": result.first_step,
+                       "seconds": round(result.seconds, 1), "examples": result.num_examples,
+                       "target_tokens": result.num_target_tokens,
+                       "final_loss": result.losses[-1] if result.losses else None, "held_out": result.held_out,
+                       "throughput": result.throughput}, indent=1)
 
 
 def run_training(args):
@@ -106,13 +121,7 @@ def run_training(args):
     if result is None:
         print(json.dumps({"regenerated": args.save_regenerated}))
         return
-    print(json.dumps({"out": str(result.out_dir), "steps": len(result.losses), "first_step": result.first_step,
-                      "seconds": round(result.seconds, 1), "examples": result.num_examples,
-                      "target_tokens": result.num_target_tokens,
-                      "final_loss": result.losses[-1] if result.losses else None, "held_out": result.held_out,
-                      "throughput": result.throughput},
-                     indent=1))
-
+    print(result_json(result))
 
 if __name__ == "__main__":
     main()

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 
 from jaxspec.cli_args import (ArgumentParser, check_input_file, check_model, check_output_dir, flag_of,
-                              int_at_least, one_line_errors, refuse_invalid)
+                              int_at_least, refuse_invalid)
+from jaxspec.train.cli import console_main, result_json
 
 
 def build_parser() -> ArgumentParser:
@@ -81,13 +81,7 @@ def check_args(p: ArgumentParser, args):
 def main(argv=None):
     """The `jaxspec-train-draft` console script: a bad flag is one line and exit code 2, a failure at run time
     (a missing file, a model that cannot load or be written back) one line and exit code 1."""
-    from jaxspec import xla_flags
-    xla_flags.release_update_mode()   # as jaxspec-train-eagle: no decode step replayed here
-    p = build_parser()
-    args = p.parse_args(argv)
-    with one_line_errors(p.prog):
-        check_args(p, args)
-        run_training(args)
+    console_main(argv, build_parser, check_args, run_training)
 
 
 def run_training(args):
@@ -98,12 +92,7 @@ def run_training(args):
                          dataset_path=args.dataset_path, text_path=args.text_path, save_every=args.save_every,
                          compute_dtype=args.dtype, seed=args.seed, max_seconds=args.max_seconds, pack=args.pack,
                          mask_token_id=args.mask_token_id, step_decay=args.step_decay)
-    print(json.dumps({"out": str(result.out_dir), "steps": len(result.losses), "first_step": result.first_step,
-                      "seconds": round(result.seconds, 1), "examples": result.num_examples,
-                      "target_tokens": result.num_target_tokens,
-                      "final_loss": result.losses[-1] if result.losses else None, "held_out": result.held_out,
-                      "throughput": result.throughput}, indent=1))
-
+    print(result_json(result))
 
 if __name__ == "__main__":
     main()
