@@ -122,18 +122,21 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a GPU (tests/gpu); skipped on any other backend")
 
 
-# The files that take longest on CI's two cores (seconds of one worker, measured: --durations), longest first. The
+# The files that take longest on two cores (seconds of one worker, --durations=0 at aa1a3c6), longest first. The
 # suite runs them first (pytest_collection_modifyitems; xdist's --dist loadfile hands whole files out in collection
 # order, pyproject's --no-loadscope-reorder), so the two workers end together on short files: xdist's default order
 # (files with the most tests first) left the notebook and the real-model files for the end, one worker running them
 # alone for minutes. A file not named here runs after these, in its own order.
-LONGEST_FIRST = ["test_train.py", "test_engine.py", "test_spec_layouts.py", "test_adaptive_k.py", "test_spec_sampling.py",
-                 "test_spec.py", "test_serve.py", "test_tp.py", "test_bench.py", "test_hybrid.py", "test_fp8.py",
-                 "test_eagle3_families.py", "test_structured.py", "test_notebook.py", "test_hot_path.py",
-                 "test_train_packing.py", "test_serve_ray.py", "test_serve_fields.py", "test_model_parity.py",
-                 "test_gguf_tokenizer.py", "test_startup.py", "test_prefix_cache.py", "test_structure.py",
-                 "test_sliding_window.py", "test_parallel_drafter.py", "test_qwen3_moe.py", "test_core.py",
-                 "test_gpt_oss.py", "test_distributed.py"]
+LONGEST_FIRST = ["test_adaptive_k.py", "test_spec_sampling.py", "test_train.py", "test_spec_layouts.py",
+                 "test_engine.py", "test_long_context.py", "test_spec.py", "test_tp.py", "test_serve.py",
+                 "test_hybrid.py", "test_eagle3_families.py", "test_notebook.py", "test_fp8.py",
+                 "test_structured.py", "test_bench.py", "test_serve_ray.py", "test_serve_fields.py",
+                 "test_model_parity.py", "test_hot_path.py", "test_gguf_tokenizer.py", "test_pard_train.py",
+                 "test_paged_attention.py", "test_prefill_attention.py", "test_structure.py",
+                 "test_sliding_window.py", "test_startup.py", "test_lora.py", "test_parallel_drafter.py",
+                 "test_prefix_cache.py", "test_qwen3_moe.py", "test_gemma3.py", "test_distributed.py",
+                 "test_spec_reference.py", "test_loaders.py", "test_core.py", "test_gpt_oss.py",
+                 "test_train_packing.py"]
 
 
 def pytest_collection_modifyitems(config, items):
