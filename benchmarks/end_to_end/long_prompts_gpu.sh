@@ -4,6 +4,7 @@
 #
 #   bash benchmarks/end_to_end/long_prompts_gpu.sh checks       # GPU tests of the prefill kernel and the fp8 cache
 #   bash benchmarks/end_to_end/long_prompts_gpu.sh kernels      # prefill and decode attention kernels alone
+#   bash benchmarks/end_to_end/long_prompts_gpu.sh decode       # decode over 32k: split counts, kernel and engine
 #   bash benchmarks/end_to_end/long_prompts_gpu.sh jaxspec NAME [long_prompts.py flags]   # -> $OUT/NAME.json
 #   bash benchmarks/end_to_end/long_prompts_gpu.sh vllm NAME [the same flags]   # vLLM 0.26 (wheels in /tmp/vllm-site)
 #
@@ -22,6 +23,15 @@ case "$step" in
       --q-tiles 16 32 64 128 --heads 1 2 6 --iters 5 --json $OUT/prefill_kernel.json 2>&1 | grep -v "^W0000\|^I0000" | tail -40
     timeout 120 python3 benchmarks/kernels/bench_decode_attention.py --contexts 1024 8192 32768 --batches 1 8 32 \
       --iters 10 --json $OUT/decode_kernel.json 2>&1 | grep -v "^W0000\|^I0000" | tail -40 ;;
+  decode)   # the split count of a decode row over a long context (FUSED_PAGES_PER_SPLIT), in one call: the kernel
+            # alone (a device loop of layers, no dispatch counted), then the engine's TPOT at 1k and 32k with 0 and 32
+    timeout 120 python3 benchmarks/kernels/bench_decode_attention.py --contexts 1024 32768 --batches 1 8 \
+      --splits 16 64 128 --pages-per-iter 0 4 --iters 5 --inner 20 --json $OUT/decode_kernel.json 2>&1 \
+      | grep -v "^W0000\|^I0000" | tail -26
+    for pages in 0 32; do
+      STEP_TIMEOUT=150 bash "$0" jaxspec split$pages --runs 1x1024 1x32704 8x32704 --max-num-batched-tokens 2048 \
+        --fused-pages-per-split $pages
+    done ;;
   jaxspec)
     name=$1; shift
     timeout ${STEP_TIMEOUT:-300} python3 benchmarks/end_to_end/long_prompts.py --random-weights "$@" \
