@@ -104,6 +104,17 @@ def test_the_default_mask_token_is_the_first_spare_row_or_refused():
         PardConfig(num_drafts=1)
 
 
+@pytest.mark.parametrize("field,value,message", [("steps", 0, "it must be >= 1"), ("warmup_steps", -1, ">= 0"),
+                                                  ("learning_rate", 1.5, r"in \(0, 1\)"),
+                                                  ("max_seconds", 0, "a positive number")])
+def test_both_trainers_refuse_the_same_bad_run_settings(field, value, message):
+    """TrainConfig and PardConfig check the settings every run has with one rule (config.check_run)."""
+    from jaxspec.train.config import TrainConfig
+    for config in (TrainConfig, PardConfig):
+        with pytest.raises(ValueError, match=f"{field}={value}.*{message}"):
+            config(**{field: value})
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """A small model trained 120 steps on counting texts (packed), 16 held out: (model, result, held-out, out)."""

@@ -39,17 +39,23 @@ class TrainConfig:
     pack: bool = False
 
     def __post_init__(self):
-        for name in ("steps", "batch_size", "ttt_steps", "draft_vocab_size", "save_every"):
-            if int(getattr(self, name)) < 1:
-                raise ValueError(f"{name}={getattr(self, name)!r} is invalid; it must be >= 1")
-        if int(self.warmup_steps) < 0:
-            raise ValueError(f"warmup_steps={self.warmup_steps!r} is invalid; it must be >= 0")
-        if not 0 < self.learning_rate < 1:
-            raise ValueError(f"learning_rate={self.learning_rate!r} is invalid; use a value in (0, 1)")
+        check_run(self, ("ttt_steps", "draft_vocab_size"))
         if self.arch not in ARCHS:
             raise ValueError(f"arch={self.arch!r} is invalid; use one of {', '.join(map(repr, ARCHS))}")
-        if self.max_seconds is not None and not self.max_seconds > 0:
-            raise ValueError(f"max_seconds={self.max_seconds!r} is invalid; use a positive number or None")
+
+
+def check_run(config, counts: tuple[str, ...] = ()):
+    """The settings every training run has (TrainConfig, PardConfig): steps, batch_size, save_every and the
+    `counts` named >= 1, warmup_steps >= 0, learning_rate in (0, 1), max_seconds positive or None."""
+    for name in ("steps", "batch_size", "save_every", *counts):
+        if int(getattr(config, name)) < 1:
+            raise ValueError(f"{name}={getattr(config, name)!r} is invalid; it must be >= 1")
+    if int(config.warmup_steps) < 0:
+        raise ValueError(f"warmup_steps={config.warmup_steps!r} is invalid; it must be >= 0")
+    if not 0 < config.learning_rate < 1:
+        raise ValueError(f"learning_rate={config.learning_rate!r} is invalid; use a value in (0, 1)")
+    if config.max_seconds is not None and not config.max_seconds > 0:
+        raise ValueError(f"max_seconds={config.max_seconds!r} is invalid; use a positive number or None")
 
 
 @dataclasses.dataclass
@@ -78,20 +84,12 @@ class PardConfig:
     mask_token_id: int | None = None
 
     def __post_init__(self):
-        for name in ("steps", "batch_size", "save_every"):
-            if int(getattr(self, name)) < 1:
-                raise ValueError(f"{name}={getattr(self, name)!r} is invalid; it must be >= 1")
+        check_run(self)
         if int(self.num_drafts) < 2:
             raise ValueError(f"num_drafts={self.num_drafts!r} is invalid; a parallel draft model proposes at least "
                              "2 drafts (the first from the sequence, the rest from mask tokens)")
-        if int(self.warmup_steps) < 0:
-            raise ValueError(f"warmup_steps={self.warmup_steps!r} is invalid; it must be >= 0")
-        if not 0 < self.learning_rate < 1:
-            raise ValueError(f"learning_rate={self.learning_rate!r} is invalid; use a value in (0, 1)")
         if not 0 < self.step_decay <= 1:
             raise ValueError(f"step_decay={self.step_decay!r} is invalid; use a value in (0, 1]")
-        if self.max_seconds is not None and not self.max_seconds > 0:
-            raise ValueError(f"max_seconds={self.max_seconds!r} is invalid; use a positive number or None")
         if self.mask_token_id is not None and int(self.mask_token_id) < 0:
             raise ValueError(f"mask_token_id={self.mask_token_id!r} is invalid; it must be >= 0")
         if self.compute_dtype not in ("auto", "bfloat16", "float16", "float32"):
