@@ -76,9 +76,9 @@ def test_no_hidden_device_reads_on_the_hot_path(monkeypatch):
     assert timings["wait"] > 0.33 * steps * delay, (timings, steps, delay)
     # (a hidden read makes a phase wait out a whole device step: one read in the build phase gave host / wait = 15.2.
     # Without one it is ~0.10 alone on a 2-core machine, but the host phases share the cores with the device's own
-    # threads and, in CI, with the other test worker's compiles: 0.285 was seen there. Half the wait keeps a 30x
-    # margin on the failure this looks for.)
-    assert host < 0.5 * timings["wait"], (timings, steps, delay)
+    # threads and, in a full suite on two cores, with the other worker's compiles: 0.285 and, on a loaded machine,
+    # 0.65 were seen there. The whole wait keeps a 15x margin on the failure this looks for.)
+    assert host < timings["wait"], (timings, steps, delay)
 
 
 def guarded_reads(monkeypatch):
